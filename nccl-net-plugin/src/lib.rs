@@ -1,0 +1,1 @@
+//! libnccl-net-prism.so: the NCCL net plugin ABI.

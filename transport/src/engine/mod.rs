@@ -1,0 +1,88 @@
+//! The engine: drives one `proto::Connection` per NCCL comm with a backend and a clock.
+//!
+//! This is the safe API the plugin's C entry points call. Nothing here blocks: `connect` and `accept`
+//! return `Ok(None)` until the handshake is done, `isend`/`irecv` return `Ok(None)` when the request
+//! cannot be posted yet (NCCL retries), and `test` makes progress on the whole comm.
+
+use std::net::IpAddr;
+
+/// Size of the NCCL connection handle (`NCCL_NET_HANDLE_MAXSIZE`).
+pub const HANDLE_LEN: usize = 128;
+
+/// Most requests outstanding per comm (NCCL needs 32; grouped receives count once).
+pub const MAX_REQUESTS: usize = 64;
+
+/// Most buffers in one grouped receive (`maxRecvs`).
+pub const MAX_RECVS: usize = 8;
+
+/// Errors of the engine's calls. Each says what was wrong and what to do.
+#[derive(Debug, thiserror::Error)]
+pub enum TransportError {
+    /// A configuration variable has an unusable value.
+    #[error("{0}")]
+    Config(String),
+    /// No usable network device.
+    #[error("no usable network device: {0}")]
+    NoDevice(String),
+    /// A device index out of range.
+    #[error("device {dev} does not exist (have {ndev})")]
+    BadDevice { dev: usize, ndev: usize },
+    /// The connection handle is not one Prism made.
+    #[error("bad connection handle: {0}")]
+    BadHandle(String),
+    /// A system call failed.
+    #[error("{what}: {source}")]
+    Io { what: String, #[source] source: std::io::Error },
+    /// The peer did not answer the handshake within the configured time.
+    #[error("connection handshake with {peer} timed out after {ms} ms")]
+    HandshakeTimeout { peer: String, ms: u64 },
+    /// An argument the caller passed cannot be served.
+    #[error("invalid argument: {0}")]
+    InvalidArgument(String),
+    /// The request id is not outstanding on this comm.
+    #[error("unknown request {0}")]
+    UnknownRequest(u32),
+    /// A request failed (truncation, peer gone, ...). Its reason is in the message.
+    #[error("request failed: {0}")]
+    RequestFailed(String),
+    /// The connection is dead (peer timed out or closed).
+    #[error("connection failed: {0}")]
+    ConnectionFailed(String),
+}
+
+/// One network device (rail) as NCCL sees it.
+#[derive(Debug, Clone)]
+pub struct DeviceInfo {
+    /// Unique device name, e.g. `prism:eth0`.
+    pub name: String,
+    /// Linux interface name.
+    pub ifname: String,
+    /// The address Prism binds on this interface.
+    pub addr: IpAddr,
+    /// Link speed in Mbit/s (sysfs, or a default for virtual interfaces).
+    pub speed_mbps: u32,
+    /// Interface MTU in bytes.
+    pub mtu: u32,
+    /// Real path of the PCI device in sysfs, `None` for virtual interfaces.
+    pub pci_path: Option<String>,
+}
+
+/// Bytes the engine reads from when it sends. The plugin implements it over the caller's buffer.
+pub trait SendBuf: Send {
+    /// Length of the message in bytes.
+    fn len(&self) -> usize;
+    /// Copy `out.len()` bytes starting at `offset`; the engine guarantees `offset + out.len() <= len()`.
+    fn read(&self, offset: usize, out: &mut [u8]);
+}
+
+/// Bytes the engine writes into when it receives. The plugin implements it over the caller's buffer.
+pub trait RecvBuf: Send {
+    /// Length of the posted buffer in bytes.
+    fn len(&self) -> usize;
+    /// Write `data` at `offset`; the engine guarantees `offset + data.len() <= len()`.
+    fn write(&mut self, offset: usize, data: &[u8]);
+}
+
+/// An outstanding request on one comm.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct ReqId(pub u32);

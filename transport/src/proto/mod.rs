@@ -1,0 +1,1 @@
+//! The sans-IO connection core.

@@ -1,0 +1,1 @@
+//! Packet formats: parse/emit with checked lengths.
