@@ -42,7 +42,10 @@ pub enum TransportError {
     /// The request id is not outstanding on this comm.
     #[error("unknown request {0}")]
     UnknownRequest(u32),
-    /// A request failed (truncation, peer gone, ...). Its reason is in the message.
+    /// A send was larger than the receive it matched; both requests fail.
+    #[error("message truncated: {0}")]
+    Truncated(String),
+    /// A request failed (peer gone, closed, ...). Its reason is in the message.
     #[error("request failed: {0}")]
     RequestFailed(String),
     /// The connection is dead (peer timed out or closed).
@@ -86,3 +89,13 @@ pub trait RecvBuf: Send {
 /// An outstanding request on one comm.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct ReqId(pub u32);
+
+mod comm;
+mod config;
+pub mod device;
+mod net;
+mod rail;
+
+pub use comm::{RecvComm, SendComm};
+pub use config::TransportConfig;
+pub use net::{Listener, Net};

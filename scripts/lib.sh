@@ -1,0 +1,42 @@
+# Shared helpers for Prism's scripts (sourced, not run).
+set -euo pipefail
+
+PRISM_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+export PRISM_ROOT
+
+say() { printf '\033[1m==> %s\033[0m\n' "$*" >&2; }
+die() { printf 'error: %s\n' "$*" >&2; exit 1; }
+
+# Install Debian packages that are missing (apt-get update only when something is missing).
+need_debs() {
+  local missing=()
+  for p in "$@"; do dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p"); done
+  [ ${#missing[@]} -eq 0 ] && return 0
+  local sudo=""
+  [ "$(id -u)" -eq 0 ] || sudo="sudo"
+  say "installing Debian packages: ${missing[*]}"
+  $sudo apt-get update -qq || die "apt-get update failed"
+  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null \
+    || die "apt-get install ${missing[*]} failed"
+}
+
+# A Rust toolchain new enough for the workspace (rustup's if present, else Debian's).
+need_rust() {
+  if ! command -v cargo >/dev/null 2>&1; then
+    [ -x "$HOME/.cargo/bin/cargo" ] && export PATH="$HOME/.cargo/bin:$PATH"
+  fi
+  if ! command -v cargo >/dev/null 2>&1; then
+    need_debs cargo rustc
+  fi
+  local v
+  v=$(rustc --version | awk '{print $2}')
+  case "$v" in
+    1.[0-7][0-9].*) die "rustc $v is too old: Prism needs 1.80 or newer (install it with rustup)";;
+  esac
+}
+
+# Everything the build and the tests need on a fresh Debian machine.
+install_all() {
+  need_debs build-essential pkg-config iperf3 iproute2 ca-certificates
+  need_rust
+}

@@ -1,0 +1,173 @@
+//! UDP backend: per rail, `paths` sockets bound to distinct source ports. The source port IS the path:
+//! ECMP switches hash the 5-tuple, so entropy `e` leaves from socket `e`. Every socket also receives;
+//! peers address their datagrams to socket 0 ("the rail port"), so one `recvmmsg` drains a rail.
+//!
+//! Both directions are batched (`sendmmsg`/`recvmmsg`, through `nix`'s safe wrappers, so this file
+//! needs no `unsafe`).
+
+use std::io::{self, IoSlice, IoSliceMut};
+use std::net::{Ipv4Addr, SocketAddrV4, UdpSocket};
+use std::os::fd::AsRawFd;
+
+use nix::sys::socket::{recvmmsg, sendmmsg, MsgFlags, MultiHeaders, SockaddrIn};
+use socket2::{Domain, Protocol, Socket, Type};
+
+/// Most datagrams one `sendmmsg`/`recvmmsg` moves.
+pub const BATCH: usize = 32;
+
+/// The sockets of one rail.
+#[derive(Debug)]
+pub struct UdpRail {
+    socks: Vec<UdpSocket>,
+    ports: Vec<u16>,
+    addr: Ipv4Addr,
+}
+
+fn sockbuf(sock: &Socket, bytes: usize) {
+    // Root may exceed net.core.[rw]mem_max (SO_*BUFFORCE); everybody else gets the sysctl's cap.
+    if sock.set_recv_buffer_size(bytes).is_err() || sock.recv_buffer_size().unwrap_or(0) < bytes {
+        let _ = force_buf(sock, libc::SO_RCVBUFFORCE, bytes);
+    }
+    if sock.set_send_buffer_size(bytes).is_err() || sock.send_buffer_size().unwrap_or(0) < bytes {
+        let _ = force_buf(sock, libc::SO_SNDBUFFORCE, bytes);
+    }
+}
+
+fn force_buf(sock: &Socket, opt: libc::c_int, bytes: usize) -> nix::Result<()> {
+    use nix::sys::socket::{setsockopt, sockopt};
+    let v = bytes.min(i32::MAX as usize);
+    if opt == libc::SO_RCVBUFFORCE {
+        setsockopt(sock, sockopt::RcvBufForce, &v)
+    } else {
+        setsockopt(sock, sockopt::SndBufForce, &v)
+    }
+}
+
+impl UdpRail {
+    /// Bind `paths` non-blocking sockets on `addr`, each on its own ephemeral port.
+    pub fn bind(addr: Ipv4Addr, paths: u16, sockbuf_bytes: u32) -> io::Result<Self> {
+        let mut socks = Vec::with_capacity(paths as usize);
+        let mut ports = Vec::with_capacity(paths as usize);
+        for _ in 0..paths.max(1) {
+            let s = Socket::new(Domain::IPV4, Type::DGRAM, Some(Protocol::UDP))?;
+            s.set_nonblocking(true)?;
+            s.bind(&SocketAddrV4::new(addr, 0).into())?;
+            sockbuf(&s, sockbuf_bytes as usize);
+            let u: UdpSocket = s.into();
+            ports.push(u.local_addr()?.port());
+            socks.push(u);
+        }
+        Ok(Self { socks, ports, addr })
+    }
+
+    /// The port peers send to.
+    pub fn rail_port(&self) -> u16 {
+        self.ports[0]
+    }
+
+    /// The rail's address.
+    pub fn addr(&self) -> Ipv4Addr {
+        self.addr
+    }
+
+    /// Source ports by entropy.
+    pub fn ports(&self) -> &[u16] {
+        &self.ports
+    }
+
+    /// Send `pkts` (entropy, bytes) to `dest`, batching runs of the same entropy into one `sendmmsg`.
+    /// A full socket buffer (`EAGAIN`) drops the rest of that run: the transport treats it as loss.
+    /// Returns how many datagrams the kernel took.
+    pub fn send(&self, dest: SocketAddrV4, pkts: &[(u16, &[u8])]) -> io::Result<usize> {
+        let addr = SockaddrIn::from(dest);
+        let mut sent = 0;
+        let mut i = 0;
+        while i < pkts.len() {
+            let e = pkts[i].0;
+            let mut j = i + 1;
+            while j < pkts.len() && pkts[j].0 == e && j - i < BATCH {
+                j += 1;
+            }
+            let sock = &self.socks[e as usize % self.socks.len()];
+            let iovs: Vec<[IoSlice<'_>; 1]> = pkts[i..j].iter().map(|(_, b)| [IoSlice::new(b)]).collect();
+            let addrs = vec![Some(addr); j - i];
+            let mut hdrs = MultiHeaders::<SockaddrIn>::preallocate(j - i, None);
+            match sendmmsg(sock.as_raw_fd(), &mut hdrs, &iovs, &addrs, [], MsgFlags::MSG_DONTWAIT) {
+                Ok(res) => sent += res.count(),
+                Err(nix::errno::Errno::EAGAIN) => {}
+                Err(e) => return Err(e.into()),
+            }
+            i = j;
+        }
+        Ok(sent)
+    }
+
+    /// Receive up to `bufs.len()` datagrams from every socket of the rail without blocking; each
+    /// `(len, source)` in `out` belongs to `bufs[k]` for the k-th entry pushed.
+    pub fn recv(&self, sock: usize, bufs: &mut [Vec<u8>], out: &mut Vec<(usize, SocketAddrV4)>) -> io::Result<()> {
+        out.clear();
+        let n = bufs.len().min(BATCH);
+        let mut hdrs = MultiHeaders::<SockaddrIn>::preallocate(n, None);
+        let mut iovs: Vec<[IoSliceMut<'_>; 1]> = bufs[..n].iter_mut().map(|b| [IoSliceMut::new(&mut b[..])]).collect();
+        match recvmmsg(self.socks[sock].as_raw_fd(), &mut hdrs, iovs.iter_mut(), MsgFlags::MSG_DONTWAIT, None) {
+            Ok(res) => {
+                for r in res {
+                    if let Some(a) = r.address {
+                        out.push((r.bytes, SocketAddrV4::new(a.ip(), a.port())));
+                    }
+                }
+                Ok(())
+            }
+            Err(nix::errno::Errno::EAGAIN) => Ok(()),
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    /// Number of sockets (entropies).
+    pub fn paths(&self) -> usize {
+        self.socks.len()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn each_entropy_has_its_own_source_port() {
+        let rail = UdpRail::bind(Ipv4Addr::LOCALHOST, 8, 1 << 20).unwrap();
+        let mut ports = rail.ports().to_vec();
+        ports.sort_unstable();
+        ports.dedup();
+        assert_eq!(ports.len(), 8);
+    }
+
+    #[test]
+    fn batched_datagrams_arrive_from_the_entropys_port() {
+        let a = UdpRail::bind(Ipv4Addr::LOCALHOST, 4, 1 << 20).unwrap();
+        let b = UdpRail::bind(Ipv4Addr::LOCALHOST, 1, 1 << 20).unwrap();
+        let dest = SocketAddrV4::new(Ipv4Addr::LOCALHOST, b.rail_port());
+        let payloads: Vec<Vec<u8>> = (0..10u8).map(|i| vec![i; 100 + i as usize]).collect();
+        let pkts: Vec<(u16, &[u8])> = payloads.iter().enumerate().map(|(i, p)| ((i / 3) as u16, &p[..])).collect();
+        assert_eq!(a.send(dest, &pkts).unwrap(), 10);
+        let mut bufs = vec![vec![0u8; 2048]; 16];
+        let mut got = Vec::new();
+        let mut seen = Vec::new();
+        for _ in 0..1000 {
+            b.recv(0, &mut bufs, &mut got).unwrap();
+            for (k, (len, src)) in got.iter().enumerate() {
+                seen.push((bufs[k][0], *len, src.port()));
+            }
+            if seen.len() == 10 {
+                break;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        }
+        seen.sort();
+        assert_eq!(seen.len(), 10);
+        for (i, len, port) in seen {
+            assert_eq!(len, 100 + i as usize);
+            assert_eq!(port, a.ports()[(i / 3) as usize]);
+        }
+    }
+}

@@ -1,0 +1,293 @@
+//! A connected comm: one `proto::Connection` plus the buffers of its outstanding requests, driven by
+//! whoever calls `isend`/`irecv`/`test` (NCCL's proxy progress thread).
+
+use std::collections::HashMap;
+use std::net::SocketAddrV4;
+use std::sync::Arc;
+
+use super::rail::{Datagram, Inbox, Rail};
+use super::{NetInner, RecvBuf, ReqId, SendBuf, TransportError, MAX_RECVS};
+use crate::backend::udp::BATCH;
+use crate::proto::{Completion, Connection, MsgError, MsgId, Placer, PayloadSource, PostError, RecvSpec};
+
+/// Batches of transmissions one progress call may send before it returns (keeps test() short).
+const MAX_TX_BATCHES: usize = 64;
+
+enum Outcome {
+    Sent(u64),
+    Received(Vec<u64>),
+    Failed(MsgError),
+}
+
+/// State shared by send and receive comms.
+pub(crate) struct CommCore {
+    net: Arc<NetInner>,
+    rail: Arc<Rail>,
+    conn: Connection,
+    token: u64,
+    peer: SocketAddrV4,
+    inbox: Arc<Inbox>,
+    incoming: Vec<Datagram>,
+    sends: HashMap<MsgId, Box<dyn SendBuf>>,
+    recvs: HashMap<MsgId, Vec<Box<dyn RecvBuf>>>,
+    done: HashMap<MsgId, Outcome>,
+    /// Request ids NCCL holds, and the message each one stands for.
+    reqs: HashMap<ReqId, MsgId>,
+    next_req: u32,
+    tx: Vec<Vec<u8>>,
+    tx_meta: Vec<(u16, usize)>,
+    /// Datagrams from an address other than the peer's (dropped).
+    wrong_peer: u64,
+    role: &'static str,
+}
+
+struct Sources<'a>(&'a HashMap<MsgId, Box<dyn SendBuf>>);
+
+impl PayloadSource for Sources<'_> {
+    fn read(&mut self, msg: MsgId, offset: u64, out: &mut [u8]) {
+        if let Some(buf) = self.0.get(&msg) {
+            let off = offset as usize;
+            if off.checked_add(out.len()).is_some_and(|end| end <= buf.len()) {
+                buf.read(off, out);
+            }
+        }
+    }
+}
+
+struct Sinks<'a>(&'a mut HashMap<MsgId, Vec<Box<dyn RecvBuf>>>);
+
+impl Placer for Sinks<'_> {
+    fn place(&mut self, msg: MsgId, sub: usize, offset: u64, data: &[u8]) {
+        // proto already checked the range against the posted size; check again against the real
+        // buffer, because this is the last line before memory NCCL owns.
+        if let Some(buf) = self.0.get_mut(&msg).and_then(|v| v.get_mut(sub)) {
+            let off = offset as usize;
+            if off.checked_add(data.len()).is_some_and(|end| end <= buf.len()) {
+                buf.write(off, data);
+            }
+        }
+    }
+}
+
+impl CommCore {
+    pub fn new(net: Arc<NetInner>, rail: Arc<Rail>, conn: Connection, token: u64, peer: SocketAddrV4, role: &'static str) -> Self {
+        let inbox = Arc::new(Inbox::default());
+        rail.register(token, inbox.clone());
+        let tx = (0..BATCH).map(|_| vec![0u8; rail.max_datagram]).collect();
+        Self {
+            net,
+            rail,
+            conn,
+            token,
+            peer,
+            inbox,
+            incoming: Vec::new(),
+            sends: HashMap::new(),
+            recvs: HashMap::new(),
+            done: HashMap::new(),
+            reqs: HashMap::new(),
+            next_req: 1,
+            tx,
+            tx_meta: Vec::with_capacity(BATCH),
+            wrong_peer: 0,
+            role,
+        }
+    }
+
+    /// Receive, run timers, transmit, collect completions.
+    pub fn progress(&mut self) {
+        let now = self.net.now_us();
+        self.rail.poll_rx();
+        self.inbox.drain(&mut self.incoming);
+        {
+            let mut sinks = Sinks(&mut self.recvs);
+            for d in &self.incoming {
+                if *d.src.ip() != *self.peer.ip() {
+                    self.wrong_peer += 1;
+                    continue;
+                }
+                self.conn.handle_datagram(&d.buf[..d.len], now, &mut sinks);
+            }
+        }
+        if !self.incoming.is_empty() {
+            self.rail.recycle(self.incoming.drain(..).map(|d| d.buf));
+        }
+        if self.conn.poll_timeout().is_some_and(|t| t <= now) {
+            self.conn.handle_timeout(now);
+        }
+        self.transmit(now);
+        while let Some(c) = self.conn.poll_completion() {
+            let (msg, outcome) = match c {
+                Completion::Sent { msg, len } => (msg, Outcome::Sent(len)),
+                Completion::Received { msg, sizes } => (msg, Outcome::Received(sizes)),
+                Completion::Failed { msg, error } => {
+                    tracing::warn!(role = self.role, peer = %self.peer, "request failed: {error}");
+                    (msg, Outcome::Failed(error))
+                }
+            };
+            // The buffers belong to NCCL again once the request is done.
+            self.sends.remove(&msg);
+            self.recvs.remove(&msg);
+            self.done.insert(msg, outcome);
+        }
+    }
+
+    fn transmit(&mut self, now: u64) {
+        for _ in 0..MAX_TX_BATCHES {
+            self.tx_meta.clear();
+            let mut src = Sources(&self.sends);
+            for buf in self.tx.iter_mut() {
+                match self.conn.poll_transmit(now, &mut src, buf) {
+                    Some(t) => self.tx_meta.push((t.entropy, t.len)),
+                    None => break,
+                }
+            }
+            if self.tx_meta.is_empty() {
+                return;
+            }
+            let pkts: Vec<(u16, &[u8])> =
+                self.tx_meta.iter().zip(&self.tx).map(|(&(e, len), b)| (e, &b[..len])).collect();
+            if let Err(e) = self.rail.udp.send(self.peer, &pkts) {
+                tracing::warn!(role = self.role, peer = %self.peer, "sendmmsg failed: {e}");
+            }
+            if self.tx_meta.len() < BATCH {
+                return;
+            }
+        }
+    }
+
+    fn post_error(&self, e: PostError) -> Result<Option<ReqId>, TransportError> {
+        match e {
+            PostError::Full => Ok(None),
+            PostError::Dead(err) => Err(TransportError::ConnectionFailed(err.to_string())),
+            other => Err(TransportError::InvalidArgument(other.to_string())),
+        }
+    }
+
+    fn new_req(&mut self, msg: MsgId) -> ReqId {
+        let id = ReqId(self.next_req);
+        self.next_req = self.next_req.wrapping_add(1).max(1);
+        self.reqs.insert(id, msg);
+        id
+    }
+
+    /// Progress, then the outcome of `req` if it is done (the request is then forgotten).
+    fn test(&mut self, req: ReqId) -> Result<Option<Outcome>, TransportError> {
+        let msg = *self.reqs.get(&req).ok_or(TransportError::UnknownRequest(req.0))?;
+        self.progress();
+        let out = self.done.remove(&msg);
+        if out.is_some() {
+            self.reqs.remove(&req);
+        }
+        Ok(out)
+    }
+
+    /// Final statistics of this comm.
+    fn stats(&self) -> serde_json::Value {
+        serde_json::json!({
+            "role": self.role,
+            "rail": self.rail.info.name,
+            "peer": self.peer.to_string(),
+            "wrong_peer_dropped": self.wrong_peer,
+            "conn": serde_json::to_value(self.conn.stats()).unwrap_or(serde_json::Value::Null),
+        })
+    }
+}
+
+impl Drop for CommCore {
+    fn drop(&mut self) {
+        let now = self.net.now_us();
+        self.conn.close(now);
+        self.transmit(now);
+        self.rail.unregister(self.token);
+        self.net.record_stats(self.stats());
+    }
+}
+
+fn failed(e: MsgError) -> TransportError {
+    match e {
+        MsgError::Truncated { .. } => TransportError::Truncated(e.to_string()),
+        other => TransportError::RequestFailed(other.to_string()),
+    }
+}
+
+/// The sending end of a connection (NCCL's sendComm).
+pub struct SendComm {
+    core: CommCore,
+}
+
+impl SendComm {
+    pub(crate) fn new(core: CommCore) -> Self {
+        Self { core }
+    }
+
+    /// Post a send of `buf` with `tag`. `Ok(None)`: too many outstanding, retry later.
+    pub fn isend(&mut self, buf: Box<dyn SendBuf>, tag: i32) -> Result<Option<ReqId>, TransportError> {
+        let now = self.core.net.now_us();
+        match self.core.conn.post_send(buf.len() as u64, tag, now) {
+            Ok(msg) => {
+                self.core.sends.insert(msg, buf);
+                self.core.progress();
+                Ok(Some(self.core.new_req(msg)))
+            }
+            Err(e) => {
+                self.core.progress();
+                self.core.post_error(e)
+            }
+        }
+    }
+
+    /// Progress the comm; `Some(size)` once `req` is done (it is then forgotten), `Err` if it failed.
+    pub fn test(&mut self, req: ReqId) -> Result<Option<usize>, TransportError> {
+        match self.core.test(req)? {
+            None => Ok(None),
+            Some(Outcome::Sent(len)) => Ok(Some(len as usize)),
+            Some(Outcome::Failed(e)) => Err(failed(e)),
+            Some(Outcome::Received(_)) => Err(TransportError::UnknownRequest(req.0)),
+        }
+    }
+}
+
+/// The receiving end of a connection (NCCL's recvComm).
+pub struct RecvComm {
+    core: CommCore,
+}
+
+impl RecvComm {
+    pub(crate) fn new(core: CommCore) -> Self {
+        Self { core }
+    }
+
+    /// Post a (grouped) receive into `bufs`, each with its tag. `Ok(None)`: retry later.
+    pub fn irecv(&mut self, bufs: Vec<(Box<dyn RecvBuf>, i32)>) -> Result<Option<ReqId>, TransportError> {
+        if bufs.is_empty() || bufs.len() > MAX_RECVS {
+            return Err(TransportError::InvalidArgument(format!(
+                "a grouped receive needs 1 to {MAX_RECVS} buffers, got {}",
+                bufs.len()
+            )));
+        }
+        let now = self.core.net.now_us();
+        let specs: Vec<RecvSpec> = bufs.iter().map(|(b, tag)| RecvSpec { len: b.len() as u64, tag: *tag }).collect();
+        match self.core.conn.post_recv(&specs, now) {
+            Ok(msg) => {
+                self.core.recvs.insert(msg, bufs.into_iter().map(|(b, _)| b).collect());
+                self.core.progress();
+                Ok(Some(self.core.new_req(msg)))
+            }
+            Err(e) => {
+                self.core.progress();
+                self.core.post_error(e)
+            }
+        }
+    }
+
+    /// Progress the comm; the real received sizes once `req` is done, `Err` if it failed.
+    pub fn test(&mut self, req: ReqId) -> Result<Option<Vec<usize>>, TransportError> {
+        match self.core.test(req)? {
+            None => Ok(None),
+            Some(Outcome::Received(sizes)) => Ok(Some(sizes.into_iter().map(|s| s as usize).collect())),
+            Some(Outcome::Failed(e)) => Err(failed(e)),
+            Some(Outcome::Sent(_)) => Err(TransportError::UnknownRequest(req.0)),
+        }
+    }
+}

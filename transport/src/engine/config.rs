@@ -1,0 +1,153 @@
+//! Transport configuration from `PRISM_*` variables (passed in as a map; the engine never reads the
+//! environment itself, so tests and the plugin configure it the same way).
+
+use std::collections::BTreeMap;
+
+use super::TransportError;
+
+/// Everything the engine and its backends can be told.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TransportConfig {
+    /// `PRISM_IFNAMES`: interfaces to use as rails, in order; empty = the default route's interface.
+    pub ifnames: Vec<String>,
+    /// `PRISM_PATHS`: entropies (UDP source ports) per rail.
+    pub paths: u16,
+    /// `PRISM_MTU`: largest datagram Prism sends, IP and UDP headers included; 0 = the interface MTU
+    /// capped at 9000.
+    pub mtu: u32,
+    /// `PRISM_WINDOW`: data packets in flight per connection.
+    pub window_pkts: u32,
+    /// `PRISM_PEER_TIMEOUT_MS`: silence after which outstanding requests fail.
+    pub peer_timeout_ms: u64,
+    /// `PRISM_CONNECT_TIMEOUT_MS`: how long a handshake may take before connect/accept fail.
+    pub connect_timeout_ms: u64,
+    /// `PRISM_RTO_MIN_US`: lower clamp of the per-path retransmission timeout.
+    pub rto_min_us: u64,
+    /// `PRISM_SOCKBUF`: socket send/receive buffer size in bytes.
+    pub sockbuf: u32,
+    /// `PRISM_SEED`: seed of every random choice (tokens excepted); 0 = from the OS.
+    pub seed: u64,
+}
+
+impl Default for TransportConfig {
+    fn default() -> Self {
+        Self {
+            ifnames: Vec::new(),
+            paths: 16,
+            mtu: 0,
+            window_pkts: 512,
+            peer_timeout_ms: 10_000,
+            connect_timeout_ms: 120_000,
+            rto_min_us: 2_000,
+            sockbuf: 8 << 20,
+            seed: 0,
+        }
+    }
+}
+
+fn bad(var: &str, value: &str, reason: &str) -> TransportError {
+    TransportError::Config(format!("{var}={value}: {reason}"))
+}
+
+fn num<T: std::str::FromStr + PartialOrd + std::fmt::Display + Copy>(
+    vars: &BTreeMap<String, String>,
+    var: &str,
+    lo: T,
+    hi: T,
+    into: &mut T,
+) -> Result<(), TransportError> {
+    if let Some(v) = vars.get(var) {
+        let n: T = v.trim().parse().map_err(|_| bad(var, v, &format!("must be a number between {lo} and {hi}")))?;
+        if n < lo || n > hi {
+            return Err(bad(var, v, &format!("must be between {lo} and {hi}")));
+        }
+        *into = n;
+    }
+    Ok(())
+}
+
+impl TransportConfig {
+    /// The `PRISM_*` variables this crate understands (the plugin rejects names nobody knows).
+    pub const VARS: &'static [&'static str] = &[
+        "PRISM_IFNAMES",
+        "PRISM_PATHS",
+        "PRISM_MTU",
+        "PRISM_WINDOW",
+        "PRISM_PEER_TIMEOUT_MS",
+        "PRISM_CONNECT_TIMEOUT_MS",
+        "PRISM_RTO_MIN_US",
+        "PRISM_SOCKBUF",
+        "PRISM_SEED",
+    ];
+
+    /// Parse the variables; absent ones keep their defaults, bad ones are errors naming the variable.
+    pub fn from_vars(vars: &BTreeMap<String, String>) -> Result<Self, TransportError> {
+        let mut c = Self::default();
+        if let Some(v) = vars.get("PRISM_IFNAMES") {
+            let names: Vec<String> =
+                v.split(',').map(|s| s.trim().to_string()).filter(|s| !s.is_empty()).collect();
+            if names.is_empty() {
+                return Err(bad("PRISM_IFNAMES", v, "must list interface names, e.g. eth0,eth1"));
+            }
+            if let Some(n) = names.iter().find(|n| n.len() > 15 || n.contains('/')) {
+                return Err(bad("PRISM_IFNAMES", v, &format!("'{n}' is not an interface name")));
+            }
+            c.ifnames = names;
+        }
+        num(vars, "PRISM_PATHS", 1, 1024, &mut c.paths)?;
+        if let Some(v) = vars.get("PRISM_MTU") {
+            let mut m = 0u32;
+            num(vars, "PRISM_MTU", 576, 65_535, &mut m).map_err(|_| bad("PRISM_MTU", v, "must be between 576 and 65535"))?;
+            c.mtu = m;
+        }
+        num(vars, "PRISM_WINDOW", 1, 65_536, &mut c.window_pkts)?;
+        num(vars, "PRISM_PEER_TIMEOUT_MS", 10, 3_600_000, &mut c.peer_timeout_ms)?;
+        num(vars, "PRISM_CONNECT_TIMEOUT_MS", 10, 3_600_000, &mut c.connect_timeout_ms)?;
+        num(vars, "PRISM_RTO_MIN_US", 10, 10_000_000, &mut c.rto_min_us)?;
+        num(vars, "PRISM_SOCKBUF", 65_536, 1 << 30, &mut c.sockbuf)?;
+        num(vars, "PRISM_SEED", 0, u64::MAX, &mut c.seed)?;
+        Ok(c)
+    }
+
+    /// One line for the init log.
+    pub fn describe(&self) -> String {
+        let ifs = if self.ifnames.is_empty() { "<default route>".to_string() } else { self.ifnames.join(",") };
+        let mtu = if self.mtu == 0 { "auto".to_string() } else { self.mtu.to_string() };
+        format!(
+            "transport=udp ifnames={ifs} paths={} mtu={mtu} window={} peer_timeout_ms={} connect_timeout_ms={} rto_min_us={} sockbuf={} seed={}",
+            self.paths, self.window_pkts, self.peer_timeout_ms, self.connect_timeout_ms, self.rto_min_us, self.sockbuf, self.seed
+        )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn vars(kv: &[(&str, &str)]) -> BTreeMap<String, String> {
+        kv.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect()
+    }
+
+    #[test]
+    fn defaults_without_variables() {
+        assert_eq!(TransportConfig::from_vars(&BTreeMap::new()).unwrap(), TransportConfig::default());
+    }
+
+    #[test]
+    fn paths_zero_is_an_error_naming_the_variable() {
+        let e = TransportConfig::from_vars(&vars(&[("PRISM_PATHS", "0")])).unwrap_err().to_string();
+        assert_eq!(e, "PRISM_PATHS=0: must be between 1 and 1024");
+    }
+
+    #[test]
+    fn ifnames_are_split_on_commas() {
+        let c = TransportConfig::from_vars(&vars(&[("PRISM_IFNAMES", "lo, eth1")])).unwrap();
+        assert_eq!(c.ifnames, vec!["lo", "eth1"]);
+    }
+
+    #[test]
+    fn garbage_numbers_are_rejected() {
+        let e = TransportConfig::from_vars(&vars(&[("PRISM_WINDOW", "lots")])).unwrap_err().to_string();
+        assert!(e.starts_with("PRISM_WINDOW=lots: must be a number"), "{e}");
+    }
+}

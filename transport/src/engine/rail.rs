@@ -1,0 +1,121 @@
+//! One rail's shared datagram endpoint: its UDP sockets, and the table that hands each arriving
+//! datagram to the connection whose token it carries. All comms on a rail share it, so whichever comm
+//! makes progress drains the rail for everybody (NCCL drives different comms from different threads).
+
+use std::collections::HashMap;
+use std::net::SocketAddrV4;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+use parking_lot::{Mutex, RwLock};
+
+use super::DeviceInfo;
+use crate::backend::udp::{UdpRail, BATCH};
+use crate::wire;
+
+/// A datagram waiting for its connection: source, bytes (the Vec is a recycled receive buffer), length.
+pub(crate) struct Datagram {
+    pub src: SocketAddrV4,
+    pub buf: Vec<u8>,
+    pub len: usize,
+}
+
+/// Datagrams demultiplexed to one connection.
+#[derive(Default)]
+pub(crate) struct Inbox {
+    q: Mutex<Vec<Datagram>>,
+}
+
+impl Inbox {
+    /// Take everything queued so far.
+    pub fn drain(&self, into: &mut Vec<Datagram>) {
+        std::mem::swap(&mut *self.q.lock(), into);
+    }
+}
+
+struct RxState {
+    bufs: Vec<Vec<u8>>,
+    got: Vec<(usize, SocketAddrV4)>,
+}
+
+/// A rail: device description, sockets, demux table, recycled buffers.
+pub(crate) struct Rail {
+    pub info: DeviceInfo,
+    pub udp: UdpRail,
+    /// Largest datagram this rail sends or accepts (IP/UDP headers excluded).
+    pub max_datagram: usize,
+    rx: Mutex<RxState>,
+    routes: RwLock<HashMap<u64, Arc<Inbox>>>,
+    spare: Mutex<Vec<Vec<u8>>>,
+    /// Datagrams whose token matched no connection (late packets of closed comms, strays).
+    pub unknown_token: AtomicU64,
+    /// Datagrams too short to carry a token.
+    pub runt: AtomicU64,
+}
+
+impl Rail {
+    pub fn new(info: DeviceInfo, udp: UdpRail, max_datagram: usize) -> Self {
+        // One spare byte so that an oversized datagram shows up as longer than allowed, not truncated.
+        let bufs = (0..BATCH).map(|_| vec![0u8; max_datagram + 1]).collect();
+        Self {
+            info,
+            udp,
+            max_datagram,
+            rx: Mutex::new(RxState { bufs, got: Vec::with_capacity(BATCH) }),
+            routes: RwLock::new(HashMap::new()),
+            spare: Mutex::new(Vec::new()),
+            unknown_token: AtomicU64::new(0),
+            runt: AtomicU64::new(0),
+        }
+    }
+
+    /// Deliver datagrams carrying `token` to `inbox` from now on.
+    pub fn register(&self, token: u64, inbox: Arc<Inbox>) {
+        self.routes.write().insert(token, inbox);
+    }
+
+    /// Stop delivering to `token`.
+    pub fn unregister(&self, token: u64) {
+        self.routes.write().remove(&token);
+    }
+
+    /// Give receive buffers back for reuse.
+    pub fn recycle(&self, bufs: impl Iterator<Item = Vec<u8>>) {
+        let mut spare = self.spare.lock();
+        spare.extend(bufs.take(4 * BATCH - spare.len().min(4 * BATCH)));
+    }
+
+    /// Drain the rail's socket into the inboxes. Returns without waiting when another thread is
+    /// already draining (it delivers our datagrams too).
+    pub fn poll_rx(&self) {
+        let Some(mut rx) = self.rx.try_lock() else { return };
+        let RxState { bufs, got } = &mut *rx;
+        // Bounded so that one test() call cannot be held hostage by a flood.
+        for _ in 0..16 {
+            if let Err(e) = self.udp.recv(0, bufs, got) {
+                tracing::warn!(rail = %self.info.name, "recvmmsg failed: {e}");
+                return;
+            }
+            if got.is_empty() {
+                return;
+            }
+            let routes = self.routes.read();
+            for (k, &(len, src)) in got.iter().enumerate() {
+                let Some(token) = wire::peek_token(&bufs[k][..len]) else {
+                    self.runt.fetch_add(1, Ordering::Relaxed);
+                    continue;
+                };
+                let Some(inbox) = routes.get(&token) else {
+                    self.unknown_token.fetch_add(1, Ordering::Relaxed);
+                    continue;
+                };
+                let fresh = self.spare.lock().pop().unwrap_or_else(|| vec![0u8; self.max_datagram + 1]);
+                let buf = std::mem::replace(&mut bufs[k], fresh);
+                inbox.q.lock().push(Datagram { src, buf, len });
+            }
+            if got.len() < bufs.len().min(BATCH) {
+                return;
+            }
+        }
+    }
+}

@@ -1,0 +1,199 @@
+//! The engine end to end over loopback UDP in one process: handshake, sizes, grouped receives,
+//! truncation, many requests in flight, a peer that vanishes.
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use prism_transport::engine::{Net, RecvBuf, RecvComm, SendBuf, SendComm, TransportConfig, TransportError, HANDLE_LEN};
+
+struct VecSend(Arc<Vec<u8>>);
+impl SendBuf for VecSend {
+    fn len(&self) -> usize {
+        self.0.len()
+    }
+    fn read(&self, offset: usize, out: &mut [u8]) {
+        out.copy_from_slice(&self.0[offset..offset + out.len()]);
+    }
+}
+
+#[derive(Clone)]
+struct SharedRecv(Arc<Mutex<Vec<u8>>>, usize);
+impl RecvBuf for SharedRecv {
+    fn len(&self) -> usize {
+        self.1
+    }
+    fn write(&mut self, offset: usize, data: &[u8]) {
+        assert!(offset + data.len() <= self.1, "write past the posted size");
+        self.0.lock().unwrap()[offset..offset + data.len()].copy_from_slice(data);
+    }
+}
+
+fn pattern(seed: u64, len: usize) -> Vec<u8> {
+    (0..len).map(|i| ((i as u64).wrapping_mul(2654435761).wrapping_add(seed * 97) >> 7) as u8).collect()
+}
+
+fn net(extra: &[(&str, &str)]) -> Net {
+    let mut vars: BTreeMap<String, String> = [("PRISM_IFNAMES", "lo"), ("PRISM_SEED", "42")]
+        .iter()
+        .chain(extra)
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect();
+    vars.entry("PRISM_PATHS".into()).or_insert_with(|| "8".into());
+    Net::new(TransportConfig::from_vars(&vars).unwrap(), prism_lb::LbConfig::default()).unwrap()
+}
+
+fn pair(net: &Net) -> (SendComm, RecvComm) {
+    let mut handle = [0u8; HANDLE_LEN];
+    let mut lis = net.listen(0, &mut handle).unwrap();
+    let (mut s, mut r) = (None, None);
+    let t0 = Instant::now();
+    while s.is_none() || r.is_none() {
+        if s.is_none() {
+            s = net.connect(0, &mut handle).unwrap();
+        }
+        if r.is_none() {
+            r = lis.accept().unwrap();
+        }
+        assert!(t0.elapsed() < Duration::from_secs(10), "handshake did not finish");
+    }
+    (s.unwrap(), r.unwrap())
+}
+
+/// Drive both comms until every request is done; returns each receive's sizes (or error).
+fn run(
+    s: &mut SendComm,
+    r: &mut RecvComm,
+    sends: Vec<(Vec<u8>, i32)>,
+    recvs: Vec<Vec<(usize, i32)>>,
+) -> (Vec<Result<usize, String>>, Vec<(Result<Vec<usize>, String>, Vec<Vec<u8>>)>) {
+    let rbufs: Vec<Vec<SharedRecv>> = recvs
+        .iter()
+        .map(|g| g.iter().map(|&(n, _)| SharedRecv(Arc::new(Mutex::new(vec![0xEE; n])), n)).collect())
+        .collect();
+    let mut rreqs = Vec::new();
+    for (g, bufs) in recvs.iter().zip(&rbufs) {
+        let items: Vec<(Box<dyn RecvBuf>, i32)> =
+            g.iter().zip(bufs).map(|(&(_, tag), b)| (Box::new(b.clone()) as Box<dyn RecvBuf>, tag)).collect();
+        rreqs.push(Some(r.irecv(items).unwrap().expect("room for the receive")));
+    }
+    let mut sreqs = Vec::new();
+    for (data, tag) in &sends {
+        sreqs.push(Some(s.isend(Box::new(VecSend(Arc::new(data.clone()))), *tag).unwrap().expect("room for the send")));
+    }
+    let mut sres: Vec<Option<Result<usize, String>>> = vec![None; sends.len()];
+    let mut rres: Vec<Option<Result<Vec<usize>, String>>> = vec![None; recvs.len()];
+    let t0 = Instant::now();
+    while sres.iter().any(Option::is_none) || rres.iter().any(Option::is_none) {
+        for (i, q) in sreqs.iter_mut().enumerate() {
+            if let Some(id) = *q {
+                match s.test(id) {
+                    Ok(Some(n)) => (sres[i], *q) = (Some(Ok(n)), None),
+                    Ok(None) => {}
+                    Err(e) => (sres[i], *q) = (Some(Err(e.to_string())), None),
+                }
+            }
+        }
+        for (i, q) in rreqs.iter_mut().enumerate() {
+            if let Some(id) = *q {
+                match r.test(id) {
+                    Ok(Some(n)) => (rres[i], *q) = (Some(Ok(n)), None),
+                    Ok(None) => {}
+                    Err(e) => (rres[i], *q) = (Some(Err(e.to_string())), None),
+                }
+            }
+        }
+        assert!(t0.elapsed() < Duration::from_secs(60), "transfer did not finish: sends {sres:?} recvs {rres:?}");
+    }
+    let recv_out = rres
+        .into_iter()
+        .zip(rbufs)
+        .map(|(res, bufs)| (res.unwrap(), bufs.iter().map(|b| b.0.lock().unwrap().clone()).collect()))
+        .collect();
+    (sres.into_iter().map(Option::unwrap).collect(), recv_out)
+}
+
+#[test]
+fn every_size_arrives_intact_over_loopback() {
+    let net = net(&[]);
+    let (mut s, mut r) = pair(&net);
+    for (k, &n) in [0usize, 1, 7, 4096, 65535, 1 << 20, 16 << 20].iter().enumerate() {
+        let data = pattern(k as u64, n);
+        let (sres, rres) = run(&mut s, &mut r, vec![(data.clone(), 3)], vec![vec![(n + 100, 3)]]);
+        assert_eq!(sres[0], Ok(n));
+        assert_eq!(rres[0].0, Ok(vec![n]), "size {n}");
+        assert_eq!(&rres[0].1[0][..n], &data[..], "bytes of size {n}");
+        assert!(rres[0].1[0][n..].iter().all(|&b| b == 0xEE), "bytes past the message of size {n} were touched");
+    }
+}
+
+#[test]
+fn thirty_two_requests_in_flight_complete_in_order() {
+    let net = net(&[]);
+    let (mut s, mut r) = pair(&net);
+    let sends: Vec<_> = (0..32).map(|i| (pattern(i, 10_000 + i as usize * 777), 1)).collect();
+    let recvs: Vec<_> = (0..32).map(|_| vec![(64 * 1024, 1)]).collect();
+    let (sres, rres) = run(&mut s, &mut r, sends.clone(), recvs);
+    for (i, (data, _)) in sends.iter().enumerate() {
+        assert_eq!(sres[i], Ok(data.len()));
+        assert_eq!(rres[i].0, Ok(vec![data.len()]));
+        assert_eq!(&rres[i].1[0][..data.len()], &data[..], "message {i}");
+    }
+}
+
+#[test]
+fn grouped_receive_matches_sends_by_tag() {
+    let net = net(&[]);
+    let (mut s, mut r) = pair(&net);
+    // Sends with tags 7, 5, 9, 5 land in the buffers posted with those tags, in order per tag.
+    let sends: Vec<_> = [(7, 100), (5, 200), (9, 300), (5, 400)].iter().map(|&(t, n)| (pattern(t as u64 + n as u64, n), t)).collect();
+    let (sres, rres) = run(&mut s, &mut r, sends.clone(), vec![vec![(1000, 5), (1000, 5), (1000, 7), (1000, 9)]]);
+    assert!(sres.iter().all(Result::is_ok), "{sres:?}");
+    assert_eq!(rres[0].0, Ok(vec![200, 400, 100, 300]));
+    assert_eq!(&rres[0].1[0][..200], &sends[1].0[..]);
+    assert_eq!(&rres[0].1[1][..400], &sends[3].0[..]);
+    assert_eq!(&rres[0].1[2][..100], &sends[0].0[..]);
+    assert_eq!(&rres[0].1[3][..300], &sends[2].0[..]);
+}
+
+#[test]
+fn a_send_larger_than_the_receive_fails_both_and_writes_nothing_past_it() {
+    let net = net(&[]);
+    let (mut s, mut r) = pair(&net);
+    let (sres, rres) = run(&mut s, &mut r, vec![(pattern(1, 5000), 0)], vec![vec![(4000, 0)]]);
+    assert!(sres[0].as_ref().is_err_and(|e| e.contains("truncated")), "{sres:?}");
+    assert!(rres[0].0.is_err(), "{:?}", rres[0].0);
+    assert_eq!(rres[0].1[0].len(), 4000);
+    // The comm keeps working after the failed pair.
+    let data = pattern(2, 3000);
+    let (sres, rres) = run(&mut s, &mut r, vec![(data.clone(), 0)], vec![vec![(4000, 0)]]);
+    assert_eq!(sres[0], Ok(3000));
+    assert_eq!(&rres[0].1[0][..3000], &data[..]);
+}
+
+#[test]
+fn a_vanished_peer_fails_outstanding_requests_within_the_timeout() {
+    let net = net(&[("PRISM_PEER_TIMEOUT_MS", "500")]);
+    let (mut s, r) = pair(&net);
+    drop(r);
+    let req = s.isend(Box::new(VecSend(Arc::new(pattern(3, 100_000)))), 0).unwrap().unwrap();
+    let t0 = Instant::now();
+    let err = loop {
+        match s.test(req) {
+            Ok(None) => assert!(t0.elapsed() < Duration::from_secs(5), "request still pending after 5 s"),
+            Ok(Some(n)) => panic!("a send to a closed peer completed with {n} bytes"),
+            Err(e) => break e,
+        }
+    };
+    let waited = t0.elapsed();
+    assert!(matches!(err, TransportError::RequestFailed(_)), "{err}");
+    assert!(waited < Duration::from_millis(2000), "failed only after {waited:?}");
+}
+
+#[test]
+fn connect_to_a_garbage_handle_is_an_error() {
+    let net = net(&[]);
+    let mut handle = [7u8; HANDLE_LEN];
+    let e = net.connect(0, &mut handle).err().expect("must fail");
+    assert!(matches!(e, TransportError::BadHandle(_)), "{e}");
+}
