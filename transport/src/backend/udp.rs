@@ -123,6 +123,12 @@ impl UdpRail {
         }
     }
 
+    /// The socket peers send to, for readiness polling.
+    pub fn rx_fd(&self) -> std::os::fd::BorrowedFd<'_> {
+        use std::os::fd::AsFd;
+        self.socks[0].as_fd()
+    }
+
     /// Number of sockets (entropies).
     pub fn paths(&self) -> usize {
         self.socks.len()

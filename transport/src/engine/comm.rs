@@ -5,8 +5,11 @@ use std::collections::HashMap;
 use std::net::SocketAddrV4;
 use std::sync::Arc;
 
+use parking_lot::Mutex;
+
 use super::rail::{Datagram, Inbox, Rail};
-use super::{NetInner, RecvBuf, ReqId, SendBuf, TransportError, MAX_RECVS};
+use super::net::NetInner;
+use super::{RecvBuf, ReqId, SendBuf, TransportError, MAX_RECVS};
 use crate::backend::udp::BATCH;
 use crate::proto::{Completion, Connection, MsgError, MsgId, Placer, PayloadSource, PostError, RecvSpec};
 
@@ -39,6 +42,7 @@ pub(crate) struct CommCore {
     /// Datagrams from an address other than the peer's (dropped).
     wrong_peer: u64,
     role: &'static str,
+    closed: bool,
 }
 
 struct Sources<'a>(&'a HashMap<MsgId, Box<dyn SendBuf>>);
@@ -91,11 +95,29 @@ impl CommCore {
             tx_meta: Vec::with_capacity(BATCH),
             wrong_peer: 0,
             role,
+            closed: false,
+        }
+    }
+
+    /// True once the owner closed it.
+    pub fn is_closed(&self) -> bool {
+        self.closed
+    }
+
+    /// When this comm next needs attention even if no datagram arrives (None: closed or idle).
+    pub fn next_wake(&self) -> Option<u64> {
+        if self.closed {
+            None
+        } else {
+            self.conn.poll_timeout()
         }
     }
 
     /// Receive, run timers, transmit, collect completions.
     pub fn progress(&mut self) {
+        if self.closed {
+            return;
+        }
         let now = self.net.now_us();
         self.rail.poll_rx();
         self.inbox.drain(&mut self.incoming);
@@ -192,16 +214,35 @@ impl CommCore {
             "conn": serde_json::to_value(self.conn.stats()).unwrap_or(serde_json::Value::Null),
         })
     }
-}
 
-impl Drop for CommCore {
-    fn drop(&mut self) {
+    /// Tell the peer, stop receiving, keep the statistics. Requests still outstanding are abandoned
+    /// (their buffers are dropped here, before the caller gives the memory back).
+    fn shutdown(&mut self) {
+        if self.closed {
+            return;
+        }
         let now = self.net.now_us();
         self.conn.close(now);
         self.transmit(now);
+        self.closed = true;
         self.rail.unregister(self.token);
+        self.sends.clear();
+        self.recvs.clear();
         self.net.record_stats(self.stats());
     }
+}
+
+/// A comm as the engine's progress thread and its owner share it.
+pub(crate) type SharedCore = Arc<Mutex<CommCore>>;
+
+/// Close a comm from its owner's thread and let the engine stop its progress thread if it was the last.
+fn close_shared(core: &SharedCore) {
+    let net = {
+        let mut c = core.lock();
+        c.shutdown();
+        c.net.clone()
+    };
+    net.progress.closed();
 }
 
 fn failed(e: MsgError) -> TransportError {
@@ -213,33 +254,40 @@ fn failed(e: MsgError) -> TransportError {
 
 /// The sending end of a connection (NCCL's sendComm).
 pub struct SendComm {
-    core: CommCore,
+    shared: SharedCore,
+}
+
+impl Drop for SendComm {
+    fn drop(&mut self) {
+        close_shared(&self.shared);
+    }
 }
 
 impl SendComm {
-    pub(crate) fn new(core: CommCore) -> Self {
-        Self { core }
+    pub(crate) fn new(shared: SharedCore) -> Self {
+        Self { shared }
     }
 
     /// Post a send of `buf` with `tag`. `Ok(None)`: too many outstanding, retry later.
     pub fn isend(&mut self, buf: Box<dyn SendBuf>, tag: i32) -> Result<Option<ReqId>, TransportError> {
-        let now = self.core.net.now_us();
-        match self.core.conn.post_send(buf.len() as u64, tag, now) {
+        let mut core = self.shared.lock();
+        let now = core.net.now_us();
+        match core.conn.post_send(buf.len() as u64, tag, now) {
             Ok(msg) => {
-                self.core.sends.insert(msg, buf);
-                self.core.progress();
-                Ok(Some(self.core.new_req(msg)))
+                core.sends.insert(msg, buf);
+                core.progress();
+                Ok(Some(core.new_req(msg)))
             }
             Err(e) => {
-                self.core.progress();
-                self.core.post_error(e)
+                core.progress();
+                core.post_error(e)
             }
         }
     }
 
     /// Progress the comm; `Some(size)` once `req` is done (it is then forgotten), `Err` if it failed.
     pub fn test(&mut self, req: ReqId) -> Result<Option<usize>, TransportError> {
-        match self.core.test(req)? {
+        match self.shared.lock().test(req)? {
             None => Ok(None),
             Some(Outcome::Sent(len)) => Ok(Some(len as usize)),
             Some(Outcome::Failed(e)) => Err(failed(e)),
@@ -250,12 +298,18 @@ impl SendComm {
 
 /// The receiving end of a connection (NCCL's recvComm).
 pub struct RecvComm {
-    core: CommCore,
+    shared: SharedCore,
+}
+
+impl Drop for RecvComm {
+    fn drop(&mut self) {
+        close_shared(&self.shared);
+    }
 }
 
 impl RecvComm {
-    pub(crate) fn new(core: CommCore) -> Self {
-        Self { core }
+    pub(crate) fn new(shared: SharedCore) -> Self {
+        Self { shared }
     }
 
     /// Post a (grouped) receive into `bufs`, each with its tag. `Ok(None)`: retry later.
@@ -266,24 +320,25 @@ impl RecvComm {
                 bufs.len()
             )));
         }
-        let now = self.core.net.now_us();
+        let mut core = self.shared.lock();
+        let now = core.net.now_us();
         let specs: Vec<RecvSpec> = bufs.iter().map(|(b, tag)| RecvSpec { len: b.len() as u64, tag: *tag }).collect();
-        match self.core.conn.post_recv(&specs, now) {
+        match core.conn.post_recv(&specs, now) {
             Ok(msg) => {
-                self.core.recvs.insert(msg, bufs.into_iter().map(|(b, _)| b).collect());
-                self.core.progress();
-                Ok(Some(self.core.new_req(msg)))
+                core.recvs.insert(msg, bufs.into_iter().map(|(b, _)| b).collect());
+                core.progress();
+                Ok(Some(core.new_req(msg)))
             }
             Err(e) => {
-                self.core.progress();
-                self.core.post_error(e)
+                core.progress();
+                core.post_error(e)
             }
         }
     }
 
     /// Progress the comm; the real received sizes once `req` is done, `Err` if it failed.
     pub fn test(&mut self, req: ReqId) -> Result<Option<Vec<usize>>, TransportError> {
-        match self.core.test(req)? {
+        match self.shared.lock().test(req)? {
             None => Ok(None),
             Some(Outcome::Received(sizes)) => Ok(Some(sizes.into_iter().map(|s| s as usize).collect())),
             Some(Outcome::Failed(e)) => Err(failed(e)),

@@ -21,7 +21,8 @@ use parking_lot::Mutex;
 use rand::{RngCore, SeedableRng};
 use socket2::{Domain, Protocol, SockAddr, Socket, Type};
 
-use super::comm::{CommCore, RecvComm, SendComm};
+use super::comm::{CommCore, RecvComm, SendComm, SharedCore};
+use super::progress::Progress;
 use super::rail::Rail;
 use super::{device, DeviceInfo, TransportConfig, TransportError, HANDLE_LEN};
 use crate::backend::udp::UdpRail;
@@ -42,6 +43,7 @@ pub(crate) struct NetInner {
     pub rails: Vec<Arc<Rail>>,
     closed: Mutex<Vec<serde_json::Value>>,
     seeds: AtomicU64,
+    pub progress: Progress,
 }
 
 impl NetInner {
@@ -67,6 +69,13 @@ impl NetInner {
             z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
             z ^ (z >> 31)
         }
+    }
+
+    /// Wrap a new comm so that both its owner and the progress thread can drive it.
+    fn adopt(self: &Arc<Self>, core: CommCore) -> SharedCore {
+        let shared = Arc::new(Mutex::new(core));
+        self.progress.adopt(self, &shared);
+        shared
     }
 
     fn connection(&self, local: u64, peer: u64) -> Connection {
@@ -103,6 +112,13 @@ struct PendingConnect {
     stage: Stage,
     started: Instant,
     target: SocketAddrV4,
+}
+
+impl Drop for Net {
+    fn drop(&mut self) {
+        // Comms normally close first (and stop the thread); this covers a caller that did not.
+        self.inner.progress.stop();
+    }
 }
 
 /// The process-wide engine. `Send + Sync`: NCCL calls it from several threads.
@@ -164,6 +180,7 @@ impl Net {
             rails,
             closed: Mutex::new(Vec::new()),
             seeds: AtomicU64::new(0),
+            progress: Progress::default(),
         });
         let devices = inner.rails.iter().map(|r| r.info.clone()).collect();
         Ok(Net { inner, devices, pending: Mutex::new(HashMap::new()), next_stage: AtomicU64::new(1) })
@@ -298,7 +315,7 @@ impl Net {
         let rail = self.inner.rails[pc.dev].clone();
         let conn = self.inner.connection(pc.token, peer_token);
         tracing::info!(rail = %rail.info.name, %peer, "send comm connected");
-        Ok(SendComm::new(CommCore::new(self.inner.clone(), rail, conn, pc.token, peer, "send")))
+        Ok(SendComm::new(self.inner.adopt(CommCore::new(self.inner.clone(), rail, conn, pc.token, peer, "send"))))
     }
 
     /// Statistics of every comm closed so far plus per-rail counters, as JSON.
@@ -430,7 +447,7 @@ impl Listener {
             reply[28..30].copy_from_slice(&self.rail.udp.rail_port().to_be_bytes());
             // Registered before the reply leaves, so the sender's first datagram finds its comm.
             let conn = self.inner.connection(token, peer_token);
-            let comm = RecvComm::new(CommCore::new(self.inner.clone(), self.rail.clone(), conn, token, peer, "recv"));
+            let comm = RecvComm::new(self.inner.adopt(CommCore::new(self.inner.clone(), self.rail.clone(), conn, token, peer, "recv")));
             p.reply = Some((reply, 0, comm));
         }
         let Some((reply, sent, _)) = p.reply.as_mut() else { return Ok(None) };

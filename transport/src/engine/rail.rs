@@ -82,7 +82,8 @@ impl Rail {
     /// Give receive buffers back for reuse.
     pub fn recycle(&self, bufs: impl Iterator<Item = Vec<u8>>) {
         let mut spare = self.spare.lock();
-        spare.extend(bufs.take(4 * BATCH - spare.len().min(4 * BATCH)));
+        let room = (4 * BATCH).saturating_sub(spare.len());
+        spare.extend(bufs.take(room));
     }
 
     /// Drain the rail's socket into the inboxes. Returns without waiting when another thread is
