@@ -1,0 +1,201 @@
+//! The opaque pointers Prism hands to NCCL and gets back: contexts, comms, requests, memory handles,
+//! and the 128-byte connection handle NCCL exchanges between ranks.
+//!
+//! Every object NCCL holds is a [`Tagged`] value whose first word is a per-kind magic number. A pointer
+//! coming back is checked for NULL, alignment and the magic before it is used, so a request passed as a
+//! comm, a double close, or an mhandle from another plugin is reported instead of followed. (A pointer
+//! that was never a valid object at all cannot be detected by any plugin; the magic catches the mistakes
+//! that do happen.) Objects are only ever shared (`&T`): state that changes lives behind a lock inside.
+
+use std::ffi::c_void;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use prism_transport::engine::HANDLE_LEN;
+
+use crate::error::{invalid, PluginError};
+
+/// A kind of object NCCL may hold a pointer to.
+pub trait Kind {
+    /// Distinct per kind; never zero, never [`DEAD`].
+    const MAGIC: u64;
+    /// Name used in error messages.
+    const NAME: &'static str;
+}
+
+/// Magic left in an object when it is freed, so a second close is recognised while the memory is
+/// still untouched.
+pub const DEAD: u64 = 0xDEAD_DEAD_DEAD_DEAD;
+
+/// A value with its kind's magic in front.
+#[repr(C)]
+pub struct Tagged<T: Kind> {
+    magic: AtomicU64,
+    /// The object itself.
+    pub value: T,
+}
+
+impl<T: Kind> Tagged<T> {
+    /// Wraps a value with its magic (for objects that live inside another allocation).
+    pub fn new(value: T) -> Self {
+        Self { magic: AtomicU64::new(T::MAGIC), value }
+    }
+
+    /// Moves `value` to the heap and returns the pointer NCCL will hold.
+    pub fn into_raw(value: T) -> *mut c_void {
+        Box::into_raw(Box::new(Self::new(value))).cast()
+    }
+
+    /// Whether the magic is intact.
+    pub fn is_live(&self) -> bool {
+        self.magic.load(Ordering::Acquire) == T::MAGIC
+    }
+
+    /// Borrows the object behind a pointer NCCL passed.
+    ///
+    /// # Safety
+    /// `ptr` must be NULL or point to readable memory of at least 8 bytes; if its first word is
+    /// `T::MAGIC`, it must be a live `Tagged<T>` made by this crate that stays alive for `'a`.
+    pub unsafe fn from_ptr<'a>(ptr: *mut c_void, what: &str) -> Result<&'a T, PluginError> {
+        // SAFETY: forwarded contract.
+        unsafe { Self::tagged_from_ptr(ptr, what) }.map(|t| &t.value)
+    }
+
+    /// Like [`Tagged::from_ptr`], but the wrapper itself.
+    ///
+    /// # Safety
+    /// As for [`Tagged::from_ptr`].
+    pub unsafe fn tagged_from_ptr<'a>(ptr: *mut c_void, what: &str) -> Result<&'a Self, PluginError> {
+        if ptr.is_null() {
+            return Err(invalid(format!("{what} is NULL")));
+        }
+        let p = ptr.cast::<Self>();
+        if !p.is_aligned() {
+            return Err(invalid(format!("{what} {ptr:p} is not a Prism {} (misaligned)", T::NAME)));
+        }
+        // SAFETY: non-null and aligned; the caller guarantees the first word is readable, and an
+        // AtomicU64 may be read whatever bytes it holds.
+        let magic = unsafe { (*p.cast::<AtomicU64>()).load(Ordering::Acquire) };
+        if magic == DEAD {
+            return Err(invalid(format!("{what} {ptr:p} is a {} that was already closed", T::NAME)));
+        }
+        if magic != T::MAGIC {
+            return Err(invalid(format!("{what} {ptr:p} is not a Prism {}", T::NAME)));
+        }
+        // SAFETY: the magic matches, so by the caller's contract this is a live Tagged<T>.
+        Ok(unsafe { &*p })
+    }
+
+    /// Takes back ownership of an object NCCL is done with, marking it dead first.
+    ///
+    /// # Safety
+    /// As for [`Tagged::from_ptr`], and the object must have come from [`Tagged::into_raw`] and not be
+    /// in use by another thread.
+    pub unsafe fn take(ptr: *mut c_void, what: &str) -> Result<T, PluginError> {
+        // SAFETY: forwarded contract.
+        let tagged = unsafe { Self::tagged_from_ptr(ptr, what) }?;
+        tagged.magic.store(DEAD, Ordering::Release);
+        // SAFETY: the object came from Box::into_raw in into_raw and nobody else uses it now.
+        let boxed = unsafe { Box::from_raw(ptr.cast::<Self>()) };
+        Ok(boxed.value)
+    }
+}
+
+/// Borrows NCCL's connection handle (`NCCL_NET_HANDLE_MAXSIZE` bytes).
+///
+/// # Safety
+/// `ptr` must be NULL or point to `HANDLE_LEN` bytes that nobody else touches during `'a`.
+pub unsafe fn conn_handle<'a>(ptr: *mut c_void) -> Result<&'a mut [u8; HANDLE_LEN], PluginError> {
+    if ptr.is_null() {
+        return Err(invalid("connection handle is NULL"));
+    }
+    // SAFETY: non-null, alignment 1, and the caller guarantees HANDLE_LEN exclusive bytes.
+    Ok(unsafe { &mut *ptr.cast::<[u8; HANDLE_LEN]>() })
+}
+
+/// Checks an out-pointer NCCL passed and clears what it points to, so NCCL sees NULL whatever happens.
+///
+/// # Safety
+/// `ptr` must be NULL or valid for a pointer-sized write.
+pub unsafe fn out_ptr<'a, T>(ptr: *mut *mut T, what: &str) -> Result<&'a mut *mut T, PluginError> {
+    if ptr.is_null() {
+        return Err(invalid(format!("{what} is NULL")));
+    }
+    if !ptr.is_aligned() {
+        return Err(invalid(format!("{what} {ptr:p} is misaligned")));
+    }
+    // SAFETY: non-null and aligned; the caller guarantees it is writable. A write, not a read: NCCL may
+    // have left anything there (irecv's `*request` may even be the 0x1 hint).
+    unsafe { ptr.write(std::ptr::null_mut()) };
+    // SAFETY: as above; the slot now holds a valid (null) pointer.
+    Ok(unsafe { &mut *ptr })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    struct Apple(u32);
+    impl Kind for Apple {
+        const MAGIC: u64 = 0xA991E;
+        const NAME: &'static str = "apple";
+    }
+    struct Pear;
+    impl Kind for Pear {
+        const MAGIC: u64 = 0xBEA2;
+        const NAME: &'static str = "pear";
+    }
+
+    #[test]
+    fn an_object_comes_back_as_itself() {
+        let p = Tagged::into_raw(Apple(7));
+        // SAFETY: p came from into_raw and is live.
+        assert_eq!(unsafe { Tagged::<Apple>::from_ptr(p, "comm") }.unwrap().0, 7);
+        // SAFETY: as above; taken once.
+        assert_eq!(unsafe { Tagged::<Apple>::take(p, "comm") }.unwrap().0, 7);
+    }
+
+    #[test]
+    fn an_object_of_another_kind_is_rejected() {
+        let p = Tagged::into_raw(Pear);
+        // SAFETY: p points to a live Tagged<Pear>, readable.
+        let err = unsafe { Tagged::<Apple>::from_ptr(p, "comm") }.err().unwrap();
+        assert!(err.to_string().contains("not a Prism apple"), "{err}");
+        // SAFETY: p came from into_raw.
+        unsafe { Tagged::<Pear>::take(p, "comm") }.unwrap();
+    }
+
+    #[test]
+    fn null_is_rejected_with_the_argument_name() {
+        // SAFETY: null is allowed by the contract.
+        let err = unsafe { Tagged::<Apple>::from_ptr(std::ptr::null_mut(), "sendComm") }.err().unwrap();
+        assert!(err.to_string().contains("sendComm is NULL"), "{err}");
+    }
+
+    #[test]
+    fn a_dead_magic_is_reported_as_already_closed() {
+        // Kept inside another allocation so the memory stays readable after "closing".
+        let slot = Tagged::new(Apple(1));
+        slot.magic.store(DEAD, Ordering::Release);
+        let p = &slot as *const Tagged<Apple> as *mut c_void;
+        // SAFETY: p points to readable memory of the right shape.
+        let err = unsafe { Tagged::<Apple>::from_ptr(p, "comm") }.err().unwrap();
+        assert!(err.to_string().contains("already closed"), "{err}");
+    }
+
+    #[test]
+    fn a_misaligned_pointer_is_rejected_without_reading() {
+        let words = [0u64; 4];
+        let p = (words.as_ptr() as *mut u8).wrapping_add(1).cast::<c_void>();
+        // SAFETY: readable memory; the alignment check comes first.
+        assert!(unsafe { Tagged::<Apple>::from_ptr(p, "comm") }.is_err());
+    }
+
+    #[test]
+    fn an_out_pointer_is_cleared_even_when_it_held_the_optional_completion_hint() {
+        let mut request: *mut c_void = std::ptr::without_provenance_mut(crate::abi::OPTIONAL_RECV_COMPLETION);
+        // SAFETY: &mut request is valid for writes.
+        let out = unsafe { out_ptr(&mut request, "request") }.unwrap();
+        assert!(out.is_null());
+        assert!(request.is_null());
+    }
+}

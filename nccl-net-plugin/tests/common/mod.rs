@@ -1,0 +1,59 @@
+//! Helpers shared by the integration tests: where the built plugin is, and how to compile the C
+//! programs in `tests-c/` against `include/prism_net.h`.
+#![allow(dead_code)] // each test binary uses a different subset
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+/// The repository root (the workspace around this crate).
+pub fn repo_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).parent().expect("crate sits inside the workspace").to_path_buf()
+}
+
+/// `target/<profile>/`: the test binary runs from `target/<profile>/deps/`.
+pub fn profile_dir() -> PathBuf {
+    let exe = std::env::current_exe().expect("test binary path");
+    exe.parent().and_then(Path::parent).expect("test binary lives in target/<profile>/deps").to_path_buf()
+}
+
+/// The cdylib cargo built for this test run. `cargo test` builds it into `deps/`, next to the test
+/// binary, without copying it up to `target/<profile>/` (only `cargo build` does that), so `deps/` is
+/// the fresh one.
+pub fn plugin_path() -> PathBuf {
+    let exe = std::env::current_exe().expect("test binary path");
+    let deps = exe.parent().expect("test binary directory").join("libnccl_net_prism.so");
+    if deps.exists() {
+        return deps;
+    }
+    let p = profile_dir().join("libnccl_net_prism.so");
+    assert!(p.exists(), "neither {} nor {} exists: cargo builds the cdylib with the tests of prism-nccl", deps.display(), p.display());
+    p
+}
+
+/// Compiles C sources from `tests-c/` into `out` with the system compiler (`$CC`, default `cc`).
+pub fn compile_c(sources: &[&str], out: &Path) {
+    let root = repo_root();
+    let cc = std::env::var("CC").unwrap_or_else(|_| "cc".to_string());
+    let mut cmd = Command::new(&cc);
+    cmd.args(["-std=c11", "-O2", "-g", "-Wall", "-Wextra", "-Werror"])
+        .arg("-I")
+        .arg(root.join("include"));
+    for s in sources {
+        cmd.arg(root.join("tests-c").join(s));
+    }
+    cmd.arg("-o").arg(out).arg("-ldl");
+    let output = cmd.output().unwrap_or_else(|e| panic!("cannot run the C compiler `{cc}`: {e}"));
+    assert!(
+        output.status.success(),
+        "compiling {sources:?} failed:\n{}{}",
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr)
+    );
+}
+
+/// A scratch directory for this test binary's artifacts.
+pub fn scratch_dir() -> PathBuf {
+    let d = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("prism-nccl");
+    std::fs::create_dir_all(&d).expect("create the scratch directory");
+    d
+}
