@@ -6,13 +6,67 @@
 pub enum Feedback {
     /// A packet sent on `entropy` was acknowledged. `congested` is the ECN echo or the transport's
     /// delay-based congestion verdict; `rtt_us` the sample taken from the echoed timestamp.
-    Ack { entropy: u16, rtt_us: u32, congested: bool, bytes: u32, now_us: u64 },
+    Ack {
+        /// The entropy the acknowledged packet used.
+        entropy: u16,
+        /// RTT sample, µs.
+        rtt_us: u32,
+        /// ECN echo or the transport's delay verdict.
+        congested: bool,
+        /// Payload bytes acknowledged.
+        bytes: u32,
+        /// Caller's clock, µs.
+        now_us: u64,
+    },
     /// A packet sent on `entropy` was reported lost (reorder threshold exceeded).
-    Nack { entropy: u16, now_us: u64 },
+    Nack {
+        /// The entropy the lost packet used.
+        entropy: u16,
+        /// Caller's clock, µs.
+        now_us: u64,
+    },
     /// A retransmission timeout fired. `entropy` is the path of the timed-out packet when the
     /// transport knows it. `max_rtt_us` is the largest RTT seen since the last timeout and `base_rtt_us`
     /// the smallest ever seen, so a policy can tell a failure (low RTT, then silence) from congestion.
-    Timeout { entropy: Option<u16>, max_rtt_us: u32, base_rtt_us: u32, now_us: u64 },
+    Timeout {
+        /// The timed-out packet's entropy, when known.
+        entropy: Option<u16>,
+        /// Largest RTT since the last timeout, µs.
+        max_rtt_us: u32,
+        /// Smallest RTT ever seen, µs (0 when none was measured).
+        base_rtt_us: u32,
+        /// Caller's clock, µs.
+        now_us: u64,
+    },
     /// The transport declared the path dead (repeated timeouts) or alive again.
-    PathState { entropy: u16, alive: bool, now_us: u64 },
+    PathState {
+        /// The entropy concerned.
+        entropy: u16,
+        /// False when the path is dead.
+        alive: bool,
+        /// Caller's clock, µs.
+        now_us: u64,
+    },
+}
+
+impl Feedback {
+    /// The entropy the event is about, when it names one.
+    pub fn entropy(&self) -> Option<u16> {
+        match *self {
+            Feedback::Ack { entropy, .. }
+            | Feedback::Nack { entropy, .. }
+            | Feedback::PathState { entropy, .. } => Some(entropy),
+            Feedback::Timeout { entropy, .. } => entropy,
+        }
+    }
+
+    /// The caller's clock when the event happened, µs.
+    pub fn now_us(&self) -> u64 {
+        match *self {
+            Feedback::Ack { now_us, .. }
+            | Feedback::Nack { now_us, .. }
+            | Feedback::Timeout { now_us, .. }
+            | Feedback::PathState { now_us, .. } => now_us,
+        }
+    }
 }

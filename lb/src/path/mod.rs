@@ -1,9 +1,17 @@
 //! Path layer: which entropy (UDP source port / QP, hence which ECMP path) each packet uses.
 
+mod dr;
 mod ecmp;
+mod pinned;
+mod pro;
+mod reps;
 mod spray;
 
+pub use dr::{Dr, DrShared};
 pub use ecmp::Ecmp;
+pub use pinned::Pinned;
+pub use pro::{coprime_stride, Pro, ProShared};
+pub use reps::{Reps, RepsParams};
 pub use spray::Spray;
 
 use crate::feedback::Feedback;
@@ -23,7 +31,7 @@ pub struct PathCtx {
     pub now_us: u64,
 }
 
-/// A per-flow (per-connection) path policy.
+/// A per-flow (per-connection, per-rail) path policy.
 pub trait PathPolicy: Send {
     /// Short name as in `PRISM_PATH`.
     fn name(&self) -> &'static str;
@@ -31,6 +39,24 @@ pub trait PathPolicy: Send {
     fn pick(&mut self, ctx: &PathCtx) -> u16;
     /// Feedback about a path; the default ignores it.
     fn feedback(&mut self, _fb: &Feedback) {}
+    /// The entropy for the next packet of a chunk the split layer pinned to `uplink` (a plan chunk's
+    /// `uplink`). Policies built from a topology ([`crate::LbRuntime::path_policy`]) then only answer
+    /// entropies that leave on that uplink; a policy that knows no topology ignores the pin.
+    fn pick_for(&mut self, ctx: &PathCtx, uplink: Option<u16>) -> u16 {
+        let _ = uplink;
+        self.pick(ctx)
+    }
+    /// Entropies for the next `out.len()` packets of one chunk, as `pick_for` would give them one by one.
+    /// Policies with shared state override it to take their lock once per burst.
+    fn pick_burst(&mut self, ctx: &PathCtx, uplink: Option<u16>, out: &mut [u16]) {
+        for o in out {
+            *o = self.pick_for(ctx, uplink);
+        }
+    }
+    /// A small JSON picture of the policy's state, for stats (`null` when there is nothing to say).
+    fn describe_state(&self) -> serde_json::Value {
+        serde_json::Value::Null
+    }
 }
 
 /// Pick an entropy other than `avoid` when there is more than one path (used for retransmissions by
@@ -39,5 +65,84 @@ pub fn other_than(pick: u16, avoid: Option<u16>, n_paths: u16) -> u16 {
     match avoid {
         Some(a) if a == pick && n_paths > 1 => (pick + 1) % n_paths,
         _ => pick,
+    }
+}
+
+/// The entropies a flow has been told are dead (`Feedback::PathState`), as a bit set.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct DeadSet {
+    bits: Vec<u64>,
+    count: u32,
+}
+
+impl DeadSet {
+    pub(crate) fn set(&mut self, e: u16, dead: bool) {
+        let (w, b) = (e as usize / 64, e % 64);
+        if w >= self.bits.len() {
+            if !dead {
+                return;
+            }
+            self.bits.resize(w + 1, 0);
+        }
+        let was = self.bits[w] >> b & 1 == 1;
+        if dead && !was {
+            self.bits[w] |= 1 << b;
+            self.count += 1;
+        } else if !dead && was {
+            self.bits[w] &= !(1 << b);
+            self.count -= 1;
+        }
+    }
+
+    #[inline]
+    pub(crate) fn is_dead(&self, e: u16) -> bool {
+        self.count > 0
+            && self
+                .bits
+                .get(e as usize / 64)
+                .is_some_and(|w| w >> (e % 64) & 1 == 1)
+    }
+
+    pub(crate) fn iter(&self) -> impl Iterator<Item = u16> + '_ {
+        self.bits.iter().enumerate().flat_map(|(w, &bits)| {
+            (0..64u16)
+                .filter(move |b| bits >> b & 1 == 1)
+                .map(move |b| w as u16 * 64 + b)
+        })
+    }
+
+    pub(crate) fn count(&self) -> u32 {
+        self.count
+    }
+
+    /// Apply a `PathState` feedback; other feedback is ignored.
+    pub(crate) fn apply(&mut self, fb: &Feedback) {
+        if let Feedback::PathState { entropy, alive, .. } = *fb {
+            self.set(entropy, !alive);
+        }
+    }
+}
+
+/// Lock a mutex even if another holder panicked: policy state stays usable (at worst slightly stale).
+pub(crate) fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn dead_set_tracks_deaths_and_revivals() {
+        let mut d = DeadSet::default();
+        assert!(!d.is_dead(3));
+        d.set(130, true);
+        d.set(3, true);
+        d.set(3, true);
+        assert!(d.is_dead(130) && d.is_dead(3));
+        assert_eq!(d.count(), 2);
+        d.set(3, false);
+        assert!(!d.is_dead(3));
+        assert_eq!(d.count(), 1);
     }
 }
