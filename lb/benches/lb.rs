@@ -23,7 +23,7 @@ fn req(dst: usize) -> SendReq {
 
 fn ctx(n: u64) -> PathCtx {
     PathCtx {
-        msg: n >> 10,
+        msg: n >> 10, offset: 0,
         n_paths: PATHS,
         retransmit: false,
         avoid: None,

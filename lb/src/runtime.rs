@@ -632,7 +632,7 @@ mod tests {
             1,
         );
         let ctx = PathCtx {
-            msg: 0,
+            msg: 0, offset: 0,
             n_paths: 16,
             retransmit: false,
             avoid: None,
@@ -666,7 +666,7 @@ mod tests {
             1,
         );
         let ctx = PathCtx {
-            msg: 0,
+            msg: 0, offset: 0,
             n_paths: 64,
             retransmit: false,
             avoid: None,

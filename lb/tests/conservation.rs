@@ -143,7 +143,7 @@ proptest! {
                     let pol = flows
                         .entry((r.dst_host, ch.rail))
                         .or_insert_with(|| rt.path_policy(FlowInfo { dst_host: r.dst_host, rail: ch.rail }, c.seed ^ r.dst_host as u64));
-                    let ctx = PathCtx { msg: b as u64, n_paths: c.n_paths, retransmit: false, avoid: None, now_us: b as u64 };
+                    let ctx = PathCtx { msg: b as u64, offset: 0, n_paths: c.n_paths, retransmit: false, avoid: None, now_us: b as u64 };
                     let e = pol.pick_for(&ctx, ch.uplink);
                     prop_assert!(e < c.n_paths, "entropy {} of {}", e, c.n_paths);
                     if let Some(u) = ch.uplink {

@@ -10,7 +10,7 @@ const SEED: u64 = 2024;
 
 fn ctx(msg: u64) -> PathCtx {
     PathCtx {
-        msg,
+        msg, offset: 0,
         n_paths: N,
         retransmit: false,
         avoid: None,

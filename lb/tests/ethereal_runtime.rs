@@ -207,7 +207,7 @@ fn a_bad_uplink_gets_nothing_until_the_reset_timer_fires() {
 
 fn ctx(msg: u64, now_us: u64) -> PathCtx {
     PathCtx {
-        msg,
+        msg, offset: 0,
         n_paths: 64,
         retransmit: false,
         avoid: None,

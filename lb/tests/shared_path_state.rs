@@ -18,7 +18,7 @@ fn runtime(path: PathKind) -> LbRuntime {
 
 fn ctx() -> PathCtx {
     PathCtx {
-        msg: 0,
+        msg: 0, offset: 0,
         n_paths: M,
         retransmit: false,
         avoid: None,

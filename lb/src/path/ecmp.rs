@@ -52,7 +52,7 @@ mod tests {
         let mut p = Ecmp::new(3);
         for msg in 0..50 {
             let c = PathCtx {
-                msg,
+                msg, offset: 0,
                 n_paths: 16,
                 retransmit: false,
                 avoid: None,

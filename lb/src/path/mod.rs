@@ -21,6 +21,8 @@ use crate::feedback::Feedback;
 pub struct PathCtx {
     /// Message id within the flow (increases by one per message).
     pub msg: u64,
+    /// Byte offset of the packet in its message (a plan's chunk is found by it).
+    pub offset: u64,
     /// Number of entropies (paths) available; picks are in `0..n_paths`.
     pub n_paths: u16,
     /// True when this packet is a retransmission; `avoid` is the entropy the lost copy used.

@@ -148,7 +148,7 @@ mod tests {
 
     fn ctx(n: u16) -> PathCtx {
         PathCtx {
-            msg: 0,
+            msg: 0, offset: 0,
             n_paths: n,
             retransmit: false,
             avoid: None,

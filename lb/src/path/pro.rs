@@ -156,7 +156,7 @@ mod tests {
 
     fn ctx(m: u16) -> PathCtx {
         PathCtx {
-            msg: 0,
+            msg: 0, offset: 0,
             n_paths: m,
             retransmit: false,
             avoid: None,

@@ -265,7 +265,7 @@ mod tests {
 
     fn ctx(now_us: u64) -> PathCtx {
         PathCtx {
-            msg: 0,
+            msg: 0, offset: 0,
             n_paths: N,
             retransmit: false,
             avoid: None,

@@ -36,7 +36,7 @@ mod tests {
 
     fn ctx(n_paths: u16) -> PathCtx {
         PathCtx {
-            msg: 0,
+            msg: 0, offset: 0,
             n_paths,
             retransmit: false,
             avoid: None,

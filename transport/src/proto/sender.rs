@@ -1,0 +1,722 @@
+//! The sending half of a connection: matching sends to CTS groups, PSN bookkeeping, SACK processing,
+//! loss detection (reorder threshold and per-path RTO) and selective retransmission on another path.
+
+use std::collections::{BTreeMap, VecDeque};
+
+use prism_lb::{Feedback, PathCtx};
+
+use super::connection::Connection;
+use super::path::TxEntry;
+use super::stats::PathHealth;
+use super::{Completion, Micros, MsgError, MsgId, PayloadSource, Transmit, MAX_OUTSTANDING, OOO_WINDOW_PKTS};
+use crate::wire::{CtsBuf, CtsRepr, DataPacket, DataRepr, SackRepr, DATA_HEADER_LEN, MAX_RECV_BUFS};
+
+/// An RTT this far above the path's base RTT (in addition to doubling it) counts as congestion when
+/// the receiver did not report any: the delay-based verdict REPS needs on networks without ECN.
+const DELAY_CONGESTION_SLACK_US: u64 = 50;
+
+/// Consecutive losses on one path (a timeout counts as one, a loss later found spurious is taken
+/// back), with nothing sent on it after them delivered in between, that mark it dead even without
+/// `path_dead_after` timeouts: while the other paths keep acknowledging, a black-holed path's packets
+/// are all found lost by the reorder threshold and its RTO never fires. Under 10% random loss a healthy
+/// path gets here with probability 1e-8; a path slow enough for 8 of its packets in a row to be
+/// overtaken by the reorder threshold is treated as dead too, until a probe gets through after
+/// `path_revive_us` (meanwhile the threshold widens with every spurious retransmission).
+const LOSS_RUN_DEAD: u32 = 8;
+
+/// CTS sequence numbers accepted ahead of the next expected one; a receiver never has more than
+/// `MAX_OUTSTANDING` receives posted, so anything further is bogus.
+const CTS_AHEAD: u64 = 2 * MAX_OUTSTANDING as u64;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum PktState {
+    InFlight,
+    /// Declared lost, waiting in the retransmission queue.
+    Lost,
+    Sacked,
+}
+
+/// Everything needed to (re)send one PSN, so a retransmission never depends on the message still
+/// being around (a truncation marker outlives its failed send).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct SentPkt {
+    msg: MsgId,
+    cts_seq: u64,
+    offset: u64,
+    total: u64,
+    len: u32,
+    sub: u8,
+    trunc: bool,
+    state: PktState,
+    entropy: u16,
+    sent_at: Micros,
+    tx_seq: u64,
+    /// Sent more than once: an acknowledgement does not say which copy arrived.
+    resent: bool,
+}
+
+/// A posted send that has not completed.
+#[derive(Debug, Clone)]
+pub(crate) struct SendMsg {
+    id: MsgId,
+    len: u64,
+    tag: i32,
+    matched: bool,
+    all_sent: bool,
+    unacked: u32,
+}
+
+/// A matched send (or a truncation marker) whose first transmission is not finished.
+#[derive(Debug, Clone, Copy)]
+struct TxItem {
+    msg: MsgId,
+    cts_seq: u64,
+    sub: u8,
+    total: u64,
+    next_offset: u64,
+    trunc: bool,
+}
+
+/// A CTS as the sender holds it until every buffer is matched.
+#[derive(Debug, Clone, Copy)]
+struct CtsGroup {
+    seq: u64,
+    n: u8,
+    bufs: [CtsBuf; MAX_RECV_BUFS],
+    matched: u8,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum LossCause {
+    Reorder,
+    Timeout,
+    PathDead,
+}
+
+#[derive(Debug)]
+pub(crate) struct TxState {
+    next_psn: u64,
+    /// Oldest PSN not yet acknowledged; `ring[i]` is PSN `snd_una + i`.
+    snd_una: u64,
+    ring: VecDeque<SentPkt>,
+    next_tx_seq: u64,
+    /// (tx_seq, psn) of every transmission in sending order, cleaned lazily; its front is the oldest
+    /// transmission still in flight, the first candidate for reorder-threshold loss.
+    tx_order: VecDeque<(u64, u64)>,
+    /// One past the highest transmission sequence number acknowledged.
+    acked_tx_end: u64,
+    retx_queue: VecDeque<u64>,
+    in_flight: u32,
+    sends: VecDeque<SendMsg>,
+    tx_queue: VecDeque<TxItem>,
+    /// Every CTS below this was received (this is the `cts_ack` every outgoing packet carries).
+    pub(crate) cts_next: u64,
+    cts_ahead: BTreeMap<u64, CtsGroup>,
+    groups: VecDeque<CtsGroup>,
+    pub(crate) ack_pending: bool,
+    reorder_threshold: u32,
+    /// A path died since its packets in flight were last written off.
+    path_died: bool,
+}
+
+impl TxState {
+    pub(crate) fn new(reorder_threshold: u32) -> Self {
+        Self {
+            next_psn: 0,
+            snd_una: 0,
+            ring: VecDeque::new(),
+            next_tx_seq: 0,
+            tx_order: VecDeque::new(),
+            acked_tx_end: 0,
+            retx_queue: VecDeque::new(),
+            in_flight: 0,
+            sends: VecDeque::new(),
+            tx_queue: VecDeque::new(),
+            cts_next: 0,
+            cts_ahead: BTreeMap::new(),
+            groups: VecDeque::new(),
+            ack_pending: false,
+            reorder_threshold,
+            path_died: false,
+        }
+    }
+
+    /// Sends posted and not completed.
+    pub(crate) fn open_sends(&self) -> usize {
+        self.sends.len()
+    }
+
+    /// Anything left to send or to get acknowledged.
+    pub(crate) fn busy(&self) -> bool {
+        !self.sends.is_empty() || !self.tx_queue.is_empty() || self.snd_una < self.next_psn
+    }
+
+    /// Next PSN to be assigned (every PSN below was sent at least once).
+    pub(crate) fn next_psn(&self) -> u64 {
+        self.next_psn
+    }
+
+    /// Forget everything in flight (the connection died); returns the sends that were outstanding.
+    pub(crate) fn abandon(&mut self) -> Vec<MsgId> {
+        let ids = self.sends.iter().map(|s| s.id).collect();
+        let cts_next = self.cts_next;
+        *self = Self::new(self.reorder_threshold);
+        self.cts_next = cts_next;
+        ids
+    }
+
+    fn send_index(&self, id: MsgId) -> Option<usize> {
+        self.sends.binary_search_by_key(&id, |s| s.id).ok()
+    }
+
+    fn is_live(&self, tx_seq: u64, psn: u64) -> bool {
+        psn >= self.snd_una
+            && self
+                .ring
+                .get((psn - self.snd_una) as usize)
+                .is_some_and(|r| r.state == PktState::InFlight && r.tx_seq == tx_seq)
+    }
+}
+
+impl Connection {
+    /// Queue a send; it goes out once a CTS buffer matches it.
+    pub(super) fn queue_send(&mut self, id: MsgId, len: u64, tag: i32) {
+        self.tx.sends.push_back(SendMsg { id, len, tag, matched: false, all_sent: false, unacked: 0 });
+        self.try_match();
+    }
+
+    /// A CTS arrived: hold it in sequence order and match sends against it.
+    pub(super) fn on_cts(&mut self, cts: &CtsRepr) {
+        self.stats.cts_received += 1;
+        let tx = &mut self.tx;
+        if cts.cts_seq < tx.cts_next {
+            // Our acknowledgement was lost; say it again.
+            tx.ack_pending = true;
+            return;
+        }
+        if cts.cts_seq - tx.cts_next >= CTS_AHEAD || tx.groups.len() + tx.cts_ahead.len() >= CTS_AHEAD as usize {
+            self.stats.dropped.malformed += 1;
+            tracing::debug!(seq = cts.cts_seq, expected = tx.cts_next, "CTS too far ahead, dropped");
+            return;
+        }
+        tx.ack_pending = true;
+        tx.cts_ahead.entry(cts.cts_seq).or_insert(CtsGroup { seq: cts.cts_seq, n: cts.n, bufs: cts.bufs, matched: 0 });
+        while let Some(g) = tx.cts_ahead.remove(&tx.cts_next) {
+            tx.groups.push_back(g);
+            tx.cts_next += 1;
+        }
+        self.try_match();
+    }
+
+    /// NCCL's matching: the oldest unmatched send goes into the first unmatched buffer with its tag of
+    /// the oldest CTS group that still has unmatched buffers; if that group has none, the send waits.
+    fn try_match(&mut self) {
+        loop {
+            let tx = &mut self.tx;
+            let Some(group) = tx.groups.front_mut() else { return };
+            let Some(si) = tx.sends.iter().position(|s| !s.matched) else { return };
+            let send = &mut tx.sends[si];
+            let Some(bi) = (0..group.n as usize).find(|&i| group.matched & (1 << i) == 0 && group.bufs[i].tag == send.tag)
+            else {
+                return;
+            };
+            group.matched |= 1 << bi;
+            let buf = group.bufs[bi];
+            let (cts_seq, full) = (group.seq, group.matched.count_ones() == u32::from(group.n));
+            send.matched = true;
+            let (id, len) = (send.id, send.len);
+            if len > buf.size {
+                // The receiver learns of it from a payload-less TRUNC packet; the send fails now.
+                tx.sends.remove(si);
+                tx.tx_queue.push_back(TxItem { msg: id, cts_seq, sub: bi as u8, total: len, next_offset: 0, trunc: true });
+                tracing::debug!(msg = id.0, send_len = len, recv_len = buf.size, "send larger than the matched receive");
+                self.completions.push_back(Completion::Failed {
+                    msg: id,
+                    error: MsgError::Truncated { send_len: len, recv_len: buf.size },
+                });
+            } else {
+                tx.tx_queue.push_back(TxItem { msg: id, cts_seq, sub: bi as u8, total: len, next_offset: 0, trunc: false });
+            }
+            if full {
+                self.tx.groups.pop_front();
+            }
+        }
+    }
+
+    /// Check a SACK against what was sent before acting on any of it.
+    pub(super) fn sack_is_consistent(&self, sack: &SackRepr) -> bool {
+        if sack.cum_psn > self.tx.next_psn {
+            return false;
+        }
+        let top = (0..4).rev().find(|&j| sack.bitmap[j] != 0).map(|j| 64 * j as u64 + 63 - u64::from(sack.bitmap[j].leading_zeros()));
+        top.map_or(0, |t| sack.base_psn + t + 1) <= self.tx.next_psn
+    }
+
+    /// Apply a SACK (already checked with `sack_is_consistent`).
+    pub(super) fn on_sack(&mut self, sack: &SackRepr, now: Micros) {
+        self.stats.sacks_received += 1;
+        if sack.spurious {
+            self.stats.spurious_retransmissions += 1;
+            Self::widen_reorder_threshold(&mut self.tx, &self.cfg, &mut self.stats);
+        }
+        let echo = sack.echo.and_then(|(entropy, ts)| self.echo_sample(entropy, ts, sack.congested, now));
+        self.ack_through(sack.cum_psn, now, echo);
+        for j in 0..4 {
+            let mut word = sack.bitmap[j];
+            while word != 0 {
+                let psn = sack.base_psn + 64 * j as u64 + u64::from(word.trailing_zeros());
+                word &= word - 1;
+                if psn >= self.tx.snd_una {
+                    self.mark_sacked(psn, now, echo);
+                }
+            }
+        }
+        self.after_acks(now);
+    }
+
+    /// Apply a bare cumulative acknowledgement (from a control packet).
+    pub(super) fn on_cum_ack(&mut self, cum_psn: u64, now: Micros) {
+        self.ack_through(cum_psn, now, None);
+        self.after_acks(now);
+    }
+
+    fn ack_through(&mut self, cum_psn: u64, now: Micros, echo: Option<Echo>) {
+        let mut psn = self.tx.snd_una;
+        while psn < cum_psn {
+            self.mark_sacked(psn, now, echo);
+            psn += 1;
+        }
+    }
+
+    /// An RTT sample from an echoed timestamp: exact for the path it names, whatever got retransmitted.
+    fn echo_sample(&mut self, entropy: u16, ts_us: u32, congested: bool, now: Micros) -> Option<Echo> {
+        let rtt = (now as u32).wrapping_sub(ts_us);
+        if entropy >= self.cfg.n_paths || rtt > i32::MAX as u32 {
+            return None;
+        }
+        let path = &mut self.paths[entropy as usize];
+        path.rtt.sample(u64::from(rtt));
+        let base = *path.base_rtt_us.get_or_insert(rtt);
+        path.base_rtt_us = Some(base.min(rtt));
+        path.max_rtt_since_timeout_us = path.max_rtt_since_timeout_us.max(rtt);
+        let ps = &mut self.stats.paths[entropy as usize];
+        ps.record_rtt(u64::from(rtt));
+        ps.srtt_us = path.rtt.srtt_us().unwrap_or(0);
+        ps.rto_us = path.rtt.rto_us();
+        self.ctl_rtt.sample(u64::from(rtt));
+        let delayed = u64::from(rtt) > 2 * u64::from(base) + DELAY_CONGESTION_SLACK_US;
+        Some(Echo { entropy, ts_us, rtt_us: rtt, congested: congested || delayed })
+    }
+
+    fn mark_sacked(&mut self, psn: u64, now: Micros, echo: Option<Echo>) {
+        let tx = &mut self.tx;
+        let Some(rec) = tx.ring.get_mut((psn - tx.snd_una) as usize) else { return };
+        let was = rec.state;
+        rec.state = PktState::Sacked;
+        let rec = *rec;
+        match was {
+            PktState::Sacked => return,
+            PktState::InFlight => {
+                tx.in_flight -= 1;
+                self.paths[rec.entropy as usize].in_flight -= 1;
+                self.stats.paths[rec.entropy as usize].in_flight -= 1;
+            }
+            PktState::Lost => {
+                // The "lost" packet was only late: it does not count against its path either.
+                let path = &mut self.paths[rec.entropy as usize];
+                path.consecutive_losses = path.consecutive_losses.saturating_sub(1);
+                self.stats.spurious_retransmissions += 1;
+                Self::widen_reorder_threshold(tx, &self.cfg, &mut self.stats);
+            }
+        }
+        let tx = &mut self.tx;
+        let exact = echo.filter(|e| e.entropy == rec.entropy && e.ts_us == rec.sent_at as u32);
+        // For a packet sent more than once, only the echo tells which copy arrived. Crediting the
+        // latest copy when an older one arrived would make every transmission before it look
+        // overtaken (a cascade of false reorder losses) and the wrong path look healthy.
+        let known_copy = !rec.resent || exact.is_some();
+        if known_copy {
+            tx.acked_tx_end = tx.acked_tx_end.max(rec.tx_seq + 1);
+        }
+        let (rtt_us, congested) = match exact {
+            Some(e) => (e.rtt_us, e.congested),
+            None => (now.saturating_sub(rec.sent_at).min(u64::from(u32::MAX)) as u32, false),
+        };
+        self.policy.feedback(&Feedback::Ack { entropy: rec.entropy, rtt_us, congested, bytes: rec.len, now_us: now });
+        if known_copy {
+            self.path_delivered(rec.entropy, rec.tx_seq, now);
+        }
+        self.clean_path_front(rec.entropy);
+        if rec.trunc {
+            return;
+        }
+        let Some(i) = self.tx.send_index(rec.msg) else { return };
+        let send = &mut self.tx.sends[i];
+        send.unacked -= 1;
+        if send.unacked == 0 && send.all_sent {
+            let (msg, len) = (send.id, send.len);
+            self.tx.sends.remove(i);
+            self.completions.push_back(Completion::Sent { msg, len });
+        }
+    }
+
+    /// A loss was declared for a packet that had only been overtaken: the reorder threshold is too
+    /// tight. Grows by one per such event, as PRO grows its out-of-order window per repeated arrival.
+    fn widen_reorder_threshold(tx: &mut TxState, cfg: &super::ProtoConfig, stats: &mut super::ConnStats) {
+        tx.reorder_threshold = (tx.reorder_threshold + 1).min(cfg.window_pkts.max(cfg.reorder_threshold));
+        stats.reorder_threshold = tx.reorder_threshold;
+    }
+
+    /// After acknowledgements: release the acknowledged prefix and look for reorder losses.
+    fn after_acks(&mut self, now: Micros) {
+        let tx = &mut self.tx;
+        while tx.ring.front().is_some_and(|r| r.state == PktState::Sacked) {
+            tx.ring.pop_front();
+            tx.snd_una += 1;
+        }
+        // A transmission is lost once `reorder_threshold` later transmissions were acknowledged; for
+        // first copies that is the PSN distance of the threshold rule, and it stays right for
+        // retransmissions, which reuse their old PSN.
+        while let Some(&(tx_seq, psn)) = self.tx.tx_order.front() {
+            if !self.tx.is_live(tx_seq, psn) {
+                self.tx.tx_order.pop_front();
+                continue;
+            }
+            if tx_seq + u64::from(self.tx.reorder_threshold) >= self.tx.acked_tx_end {
+                break;
+            }
+            self.tx.tx_order.pop_front();
+            self.declare_lost(psn, now, LossCause::Reorder);
+        }
+        self.flush_dead_paths(now);
+    }
+
+    fn declare_lost(&mut self, psn: u64, now: Micros, cause: LossCause) {
+        let tx = &mut self.tx;
+        let rec = &mut tx.ring[(psn - tx.snd_una) as usize];
+        debug_assert_eq!(rec.state, PktState::InFlight);
+        rec.state = PktState::Lost;
+        let (entropy, tx_seq) = (rec.entropy, rec.tx_seq);
+        tx.in_flight -= 1;
+        tx.retx_queue.push_back(psn);
+        let path = &mut self.paths[entropy as usize];
+        path.in_flight -= 1;
+        // One timeout writes off every expired packet of its path at once; it counts once, in
+        // `path_timeout`, so a lost tail SACK does not look like a run of losses.
+        if cause == LossCause::Reorder {
+            path.consecutive_losses += 1;
+        }
+        path.last_loss_tx_seq = path.last_loss_tx_seq.max(tx_seq);
+        let run = path.consecutive_losses;
+        self.stats.paths[entropy as usize].in_flight -= 1;
+        match cause {
+            LossCause::Reorder => {
+                self.stats.reorder_losses += 1;
+                self.policy.feedback(&Feedback::Nack { entropy, now_us: now });
+            }
+            LossCause::Timeout => self.stats.timeout_losses += 1,
+            LossCause::PathDead => self.stats.dead_path_losses += 1,
+        }
+        self.clean_path_front(entropy);
+        if run >= LOSS_RUN_DEAD && self.paths[entropy as usize].health != PathHealth::Dead {
+            tracing::debug!(entropy, run, "path lost every recent packet");
+            self.set_health(entropy, PathHealth::Dead, now);
+        }
+    }
+
+    /// Write off every packet in flight on a path that just died: waiting for their timeouts would
+    /// only delay the retransmissions.
+    fn flush_dead_paths(&mut self, now: Micros) {
+        if !std::mem::take(&mut self.tx.path_died) {
+            return;
+        }
+        for e in 0..self.cfg.n_paths {
+            if self.paths[e as usize].health != PathHealth::Dead {
+                continue;
+            }
+            while let Some(&TxEntry { tx_seq, psn, .. }) = self.paths[e as usize].queue.front() {
+                self.paths[e as usize].queue.pop_front();
+                if self.tx.is_live(tx_seq, psn) {
+                    self.declare_lost(psn, now, LossCause::PathDead);
+                }
+            }
+        }
+    }
+
+    /// Keep the invariant that a path's queue front is a packet in flight on it.
+    fn clean_path_front(&mut self, entropy: u16) {
+        let tx = &self.tx;
+        let q = &mut self.paths[entropy as usize].queue;
+        while let Some(f) = q.front() {
+            if tx.is_live(f.tx_seq, f.psn) {
+                return;
+            }
+            q.pop_front();
+        }
+    }
+
+    /// Transmission `tx_seq` on `entropy` was acknowledged. Sent after the path's last loss, it ends
+    /// the loss run; sent after its last timeout too, it proves the path works. (Order of
+    /// transmission, not time: a whole window can leave within one microsecond.)
+    fn path_delivered(&mut self, entropy: u16, tx_seq: u64, now: Micros) {
+        let path = &mut self.paths[entropy as usize];
+        if tx_seq > path.last_loss_tx_seq {
+            path.consecutive_losses = 0;
+        }
+        if path.timeout_tx_seq.is_some_and(|t| tx_seq < t) {
+            return;
+        }
+        path.consecutive_timeouts = 0;
+        if path.health != PathHealth::Alive {
+            self.set_health(entropy, PathHealth::Alive, now);
+        }
+    }
+
+    /// Move a path to a new health state, telling the policy when it dies or comes back.
+    pub(super) fn set_health(&mut self, entropy: u16, health: PathHealth, now: Micros) {
+        let path = &mut self.paths[entropy as usize];
+        let was = path.health;
+        if was == health {
+            return;
+        }
+        path.health = health;
+        let ps = &mut self.stats.paths[entropy as usize];
+        ps.state = health;
+        ps.state_changes += 1;
+        match health {
+            PathHealth::Dead => {
+                path.dead_since = now;
+                self.tx.path_died = true;
+                path.probe = super::path::Probe::Idle;
+                tracing::info!(entropy, timeouts = path.consecutive_timeouts, losses = path.consecutive_losses, "path marked dead");
+                self.policy.feedback(&Feedback::PathState { entropy, alive: false, now_us: now });
+            }
+            PathHealth::Alive if was == PathHealth::Dead => {
+                path.probe = super::path::Probe::Idle;
+                tracing::info!(entropy, "path alive again");
+                self.policy.feedback(&Feedback::PathState { entropy, alive: true, now_us: now });
+            }
+            _ => {}
+        }
+    }
+
+    /// Earliest retransmission timeout of any path.
+    pub(super) fn rto_deadline(&self) -> Option<Micros> {
+        self.paths.iter().filter_map(|p| p.rto_deadline()).min()
+    }
+
+    /// Fire every expired per-path RTO: the path gets a timeout (suspect, dead after
+    /// `path_dead_after`), its expired packets are lost and will be resent elsewhere.
+    pub(super) fn on_rto(&mut self, now: Micros) {
+        let mut any = false;
+        for e in 0..self.cfg.n_paths {
+            let rto = self.paths[e as usize].rtt.rto_us();
+            match self.paths[e as usize].rto_deadline() {
+                Some(d) if d <= now => {}
+                _ => continue,
+            }
+            any = true;
+            let front_tx_seq = self.paths[e as usize].queue.front().map_or(0, |f| f.tx_seq);
+            self.path_timeout(e, front_tx_seq, now);
+            let dead = self.paths[e as usize].health == PathHealth::Dead;
+            while let Some(&TxEntry { tx_seq, psn, sent_at }) = self.paths[e as usize].queue.front() {
+                if !self.tx.is_live(tx_seq, psn) {
+                    self.paths[e as usize].queue.pop_front();
+                } else if dead || sent_at.saturating_add(rto) <= now {
+                    self.paths[e as usize].queue.pop_front();
+                    self.declare_lost(psn, now, LossCause::Timeout);
+                } else {
+                    break;
+                }
+            }
+        }
+        if any {
+            // A loss that hid as reordering until the timer fired: the threshold is too loose.
+            let tx = &mut self.tx;
+            tx.reorder_threshold = (tx.reorder_threshold / 2).max(self.cfg.reorder_threshold);
+            self.stats.reorder_threshold = tx.reorder_threshold;
+        }
+        self.flush_dead_paths(now);
+    }
+
+    /// The RTO of the path's oldest packet in flight (transmission `tx_seq`) expired.
+    fn path_timeout(&mut self, entropy: u16, tx_seq: u64, now: Micros) {
+        self.stats.timeouts += 1;
+        let path = &mut self.paths[entropy as usize];
+        path.rtt.on_timeout();
+        path.consecutive_timeouts += 1;
+        path.consecutive_losses += 1;
+        path.last_loss_tx_seq = path.last_loss_tx_seq.max(tx_seq);
+        path.timeout_tx_seq = Some(self.tx.next_tx_seq);
+        let fb = Feedback::Timeout {
+            entropy: Some(entropy),
+            max_rtt_us: path.max_rtt_since_timeout_us,
+            base_rtt_us: path.base_rtt_us.unwrap_or(0),
+            now_us: now,
+        };
+        path.max_rtt_since_timeout_us = 0;
+        let health = if path.consecutive_timeouts >= self.cfg.path_dead_after { PathHealth::Dead } else { PathHealth::Suspect };
+        let ps = &mut self.stats.paths[entropy as usize];
+        ps.timeouts += 1;
+        ps.rto_us = path.rtt.rto_us();
+        tracing::debug!(entropy, consecutive = path.consecutive_timeouts, rto_us = ps.rto_us, "retransmission timeout");
+        self.policy.feedback(&fb);
+        if self.paths[entropy as usize].health != PathHealth::Dead {
+            self.set_health(entropy, health, now);
+        }
+    }
+
+    /// The next DATA packet (a retransmission first, then new data), if the window allows.
+    pub(super) fn poll_data(&mut self, now: Micros, src: &mut dyn PayloadSource, out: &mut [u8]) -> Option<Transmit> {
+        if self.tx.in_flight >= self.cfg.window_pkts {
+            return None;
+        }
+        while let Some(&psn) = self.tx.retx_queue.front() {
+            let tx = &self.tx;
+            let lost = psn >= tx.snd_una && tx.ring.get((psn - tx.snd_una) as usize).is_some_and(|r| r.state == PktState::Lost);
+            if lost {
+                break;
+            }
+            self.tx.retx_queue.pop_front();
+        }
+        if let Some(&psn) = self.tx.retx_queue.front() {
+            let len = self.tx.ring[(psn - self.tx.snd_una) as usize].len as usize;
+            if out.len() < DATA_HEADER_LEN + len {
+                tracing::warn!(buffer = out.len(), need = DATA_HEADER_LEN + len, "transmit buffer too small for a retransmission");
+                return None;
+            }
+            self.tx.retx_queue.pop_front();
+            return Some(self.transmit_data(psn, true, now, src, out));
+        }
+        if self.tx.next_psn - self.tx.snd_una >= OOO_WINDOW_PKTS {
+            return None;
+        }
+        let max_payload = self.cfg.max_payload.min(out.len().checked_sub(DATA_HEADER_LEN)?) as u64;
+        let item = self.tx.tx_queue.front_mut()?;
+        let remaining = item.total - item.next_offset;
+        let len = if item.trunc { 0 } else { remaining.min(max_payload) };
+        if len == 0 && remaining > 0 && !item.trunc {
+            tracing::warn!(buffer = out.len(), "transmit buffer too small for any payload");
+            return None;
+        }
+        let rec = SentPkt {
+            msg: item.msg,
+            cts_seq: item.cts_seq,
+            offset: item.next_offset,
+            total: item.total,
+            len: len as u32,
+            sub: item.sub,
+            trunc: item.trunc,
+            state: PktState::InFlight,
+            entropy: 0,
+            sent_at: now,
+            tx_seq: 0,
+            resent: false,
+        };
+        item.next_offset += len;
+        let done = item.trunc || item.next_offset == item.total;
+        if done {
+            self.tx.tx_queue.pop_front();
+        }
+        if !rec.trunc {
+            if let Some(i) = self.tx.send_index(rec.msg) {
+                let send = &mut self.tx.sends[i];
+                send.unacked += 1;
+                send.all_sent |= done;
+            }
+        }
+        let psn = self.tx.next_psn;
+        self.tx.next_psn += 1;
+        self.tx.ring.push_back(rec);
+        Some(self.transmit_data(psn, false, now, src, out))
+    }
+
+    /// Put PSN `psn` on a path and into `out`.
+    fn transmit_data(&mut self, psn: u64, retx: bool, now: Micros, src: &mut dyn PayloadSource, out: &mut [u8]) -> Transmit {
+        let idx = (psn - self.tx.snd_una) as usize;
+        let old = self.tx.ring[idx];
+        let entropy = if retx {
+            self.pick_path(old.msg, old.offset, true, Some(old.entropy), now)
+        } else {
+            self.pick_path(old.msg, old.offset, false, None, now)
+        };
+        let tx_seq = self.tx.next_tx_seq;
+        self.tx.next_tx_seq += 1;
+        let rec = &mut self.tx.ring[idx];
+        rec.state = PktState::InFlight;
+        rec.entropy = entropy;
+        rec.sent_at = now;
+        rec.tx_seq = tx_seq;
+        rec.resent |= retx;
+        let repr = DataRepr {
+            token: self.peer_token,
+            cts_ack: self.tx.cts_next,
+            psn,
+            cts_seq: old.cts_seq,
+            sub: old.sub,
+            offset: old.offset,
+            len: old.len,
+            total_len: old.total,
+            entropy,
+            ts_us: now as u32,
+            trunc: old.trunc,
+            ce: false,
+            retx,
+        };
+        let total = repr.buffer_len();
+        let mut pkt = DataPacket::new_unchecked(&mut out[..total]);
+        repr.emit(&mut pkt);
+        if old.len > 0 {
+            src.read(old.msg, old.offset, &mut pkt.payload_mut()[..old.len as usize]);
+        }
+        self.paths[entropy as usize].queue.push_back(TxEntry { tx_seq, psn, sent_at: now });
+        self.paths[entropy as usize].in_flight += 1;
+        self.tx.tx_order.push_back((tx_seq, psn));
+        self.tx.in_flight += 1;
+        self.tx.ack_pending = false;
+        self.stats.data_pkts_sent += 1;
+        self.stats.data_bytes_sent += u64::from(old.len);
+        let ps = &mut self.stats.paths[entropy as usize];
+        ps.pkts_sent += 1;
+        ps.bytes_sent += u64::from(old.len);
+        ps.in_flight += 1;
+        if retx {
+            self.stats.retransmissions += 1;
+            ps.retransmissions += 1;
+        }
+        Transmit { entropy, len: total }
+    }
+
+    /// The policy's entropy for one packet, corrected when it names a dead path or (for a
+    /// retransmission) the path the lost copy took.
+    fn pick_path(&mut self, msg: MsgId, offset: u64, retransmit: bool, avoid: Option<u16>, now: Micros) -> u16 {
+        let n = self.cfg.n_paths;
+        let ok = |paths: &[super::path::Path], e: u16| paths[e as usize].usable() && (n == 1 || Some(e) != avoid);
+        let ctx = PathCtx { msg: msg.0, offset, n_paths: n, retransmit, avoid, now_us: now };
+        let first = self.policy.pick(&ctx) % n;
+        if ok(&self.paths, first) {
+            return first;
+        }
+        let second = self.policy.pick(&PathCtx { avoid: Some(first), ..ctx }) % n;
+        if ok(&self.paths, second) {
+            return second;
+        }
+        if let Some(e) = (1..n).map(|k| (first + k) % n).find(|&e| ok(&self.paths, e)) {
+            return e;
+        }
+        // Every path is dead (or the only live one is the one to avoid): anything but the lost copy's.
+        match avoid {
+            Some(a) if a == first && n > 1 => (first + 1) % n,
+            _ => first,
+        }
+    }
+}
+
+/// What a SACK's echo told about its triggering packet.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Echo {
+    entropy: u16,
+    ts_us: u32,
+    rtt_us: u32,
+    congested: bool,
+}
