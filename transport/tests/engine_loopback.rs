@@ -171,23 +171,82 @@ fn a_send_larger_than_the_receive_fails_both_and_writes_nothing_past_it() {
     assert_eq!(&rres[0].1[0][..3000], &data[..]);
 }
 
+/// A peer that answers the handshake and then never says a word again (a crashed host): the
+/// handshake is played by hand from the layout documented in `engine/net.rs`.
+fn silent_peer(net: &Net) -> (SendComm, std::net::UdpSocket) {
+    use std::io::{Read, Write};
+    let tcp = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let udp = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
+    let mut handle = [0u8; HANDLE_LEN];
+    handle[0..4].copy_from_slice(b"PRSM");
+    handle[4] = 2;
+    handle[6..8].copy_from_slice(&tcp.local_addr().unwrap().port().to_be_bytes());
+    handle[8..12].copy_from_slice(&[127, 0, 0, 1]);
+    handle[12..20].copy_from_slice(&77u64.to_be_bytes());
+    let udp_port = udp.local_addr().unwrap().port();
+    let peer = std::thread::spawn(move || {
+        let (mut s, _) = tcp.accept().unwrap();
+        let mut hello = [0u8; 128];
+        s.read_exact(&mut hello).unwrap();
+        let mut reply = [0u8; 128];
+        reply[0..4].copy_from_slice(b"PRSM");
+        reply[4] = 2;
+        reply[6] = 1;
+        reply[8..16].copy_from_slice(&77u64.to_be_bytes());
+        reply[16..24].copy_from_slice(&0x5eed_u64.to_be_bytes());
+        reply[32..36].copy_from_slice(&[127, 0, 0, 1]);
+        reply[36..38].copy_from_slice(&udp_port.to_be_bytes());
+        s.write_all(&reply).unwrap();
+    });
+    let t0 = Instant::now();
+    let comm = loop {
+        if let Some(c) = net.connect(0, &mut handle).unwrap() {
+            break c;
+        }
+        assert!(t0.elapsed() < Duration::from_secs(10), "handshake with the silent peer did not finish");
+    };
+    peer.join().unwrap();
+    (comm, udp)
+}
+
 #[test]
-fn a_vanished_peer_fails_outstanding_requests_within_the_timeout() {
+fn a_silent_peer_fails_outstanding_requests_within_the_peer_timeout() {
     let net = net(&[("PRISM_PEER_TIMEOUT_MS", "500")]);
-    let (mut s, r) = pair(&net);
-    drop(r);
+    let (mut s, _blackhole) = silent_peer(&net);
     let req = s.isend(Box::new(VecSend(Arc::new(pattern(3, 100_000)))), 0).unwrap().unwrap();
     let t0 = Instant::now();
     let err = loop {
         match s.test(req) {
             Ok(None) => assert!(t0.elapsed() < Duration::from_secs(5), "request still pending after 5 s"),
-            Ok(Some(n)) => panic!("a send to a closed peer completed with {n} bytes"),
+            Ok(Some(n)) => panic!("a send to a silent peer completed with {n} bytes"),
             Err(e) => break e,
         }
     };
     let waited = t0.elapsed();
-    assert!(matches!(err, TransportError::RequestFailed(_)), "{err}");
-    assert!(waited < Duration::from_millis(2000), "failed only after {waited:?}");
+    assert!(matches!(err, TransportError::RequestFailed(ref m) if m.contains("silent")), "{err}");
+    assert!(waited >= Duration::from_millis(450), "failed before the timeout: {waited:?}");
+    assert!(waited < Duration::from_millis(1500), "failed only after {waited:?} (timeout 500 ms)");
+}
+
+#[test]
+fn a_closed_peer_fails_the_next_send_promptly() {
+    let net = net(&[("PRISM_PEER_TIMEOUT_MS", "5000")]);
+    let (mut s, r) = pair(&net);
+    drop(r);
+    let t0 = Instant::now();
+    let failed = loop {
+        match s.isend(Box::new(VecSend(Arc::new(pattern(3, 1000)))), 0) {
+            Err(e) => break e.to_string(),
+            Ok(Some(req)) => match s.test(req) {
+                Err(e) => break e.to_string(),
+                Ok(Some(_)) => panic!("a send to a closed peer completed"),
+                Ok(None) => {}
+            },
+            Ok(None) => {}
+        }
+        assert!(t0.elapsed() < Duration::from_secs(2), "no failure 2 s after the peer closed");
+    };
+    assert!(failed.contains("closed"), "{failed}");
 }
 
 #[test]
@@ -196,4 +255,47 @@ fn connect_to_a_garbage_handle_is_an_error() {
     let mut handle = [7u8; HANDLE_LEN];
     let e = net.connect(0, &mut handle).err().expect("must fail");
     assert!(matches!(e, TransportError::BadHandle(_)), "{e}");
+}
+
+fn net_lb(extra: &[(&str, &str)], lb: &[(&str, &str)]) -> Net {
+    let vars: BTreeMap<String, String> =
+        [("PRISM_SEED", "42"), ("PRISM_PATHS", "4")].iter().chain(extra).map(|(k, v)| (k.to_string(), v.to_string())).collect();
+    let lbv: BTreeMap<String, String> = lb.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
+    Net::new(TransportConfig::from_vars(&vars).unwrap(), prism_lb::LbConfig::from_vars(&lbv).unwrap()).unwrap()
+}
+
+#[test]
+fn two_rails_share_a_message_under_round_robin_rails() {
+    // The same interface twice gives two rails with their own sockets: enough to check the rail layer.
+    let net = net_lb(&[("PRISM_IFNAMES", "lo,lo")], &[("PRISM_RAIL", "rr"), ("PRISM_CHUNK", "65536")]);
+    assert_eq!(net.devices().len(), 2);
+    let (mut s, mut r) = pair(&net);
+    let data = pattern(11, 4 << 20);
+    let (sres, rres) = run(&mut s, &mut r, vec![(data.clone(), 0)], vec![vec![(4 << 20, 0)]]);
+    assert_eq!(sres[0], Ok(4 << 20));
+    assert_eq!(rres[0].1[0], data);
+    drop((s, r));
+    let stats = net.stats_json();
+    let send = stats["comms"].as_array().unwrap().iter().find(|c| c["role"] == "send").unwrap();
+    let per_rail: Vec<u64> = send["planned_bytes_per_rail"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap()).collect();
+    assert_eq!(per_rail, vec![2 << 20, 2 << 20], "rr splits 64 chunks evenly");
+    // Packets really left from both rails' sockets: entropies 0..4 are rail 0, 4..8 rail 1.
+    let paths = send["conn"]["paths"].as_array().unwrap();
+    let rail_pkts = |rail: u64| -> u64 {
+        paths.iter().filter(|p| p["entropy"].as_u64().unwrap() / 4 == rail).map(|p| p["pkts_sent"].as_u64().unwrap()).sum()
+    };
+    assert!(rail_pkts(0) > 200 && rail_pkts(1) > 200, "rail 0: {} packets, rail 1: {}", rail_pkts(0), rail_pkts(1));
+}
+
+#[test]
+fn single_rail_policy_keeps_everything_on_the_home_rail() {
+    let net = net_lb(&[("PRISM_IFNAMES", "lo,lo")], &[("PRISM_RAIL", "single")]);
+    let (mut s, mut r) = pair(&net);
+    let data = pattern(12, 1 << 20);
+    let (_, rres) = run(&mut s, &mut r, vec![(data.clone(), 0)], vec![vec![(1 << 20, 0)]]);
+    assert_eq!(rres[0].1[0], data);
+    drop((s, r));
+    let stats = net.stats_json();
+    let send = stats["comms"].as_array().unwrap().iter().find(|c| c["role"] == "send").unwrap();
+    assert_eq!(send["planned_bytes_per_rail"], serde_json::json!([1 << 20, 0]));
 }

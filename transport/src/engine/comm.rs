@@ -7,7 +7,8 @@ use std::sync::Arc;
 
 use parking_lot::Mutex;
 
-use super::rail::{Datagram, Inbox, Rail};
+use super::planned::{ChunkMap, Plans};
+use super::rail::{Datagram, Inbox};
 use super::net::NetInner;
 use super::{RecvBuf, ReqId, SendBuf, TransportError, MAX_RECVS};
 use crate::backend::udp::BATCH;
@@ -25,10 +26,16 @@ enum Outcome {
 /// State shared by send and receive comms.
 pub(crate) struct CommCore {
     net: Arc<NetInner>,
-    rail: Arc<Rail>,
     conn: Connection,
     token: u64,
-    peer: SocketAddrV4,
+    /// The peer's rails, paired by index with ours.
+    peer_rails: Vec<SocketAddrV4>,
+    peer_host: u32,
+    /// The NCCL device this comm was opened on.
+    home: u16,
+    plans: Plans,
+    /// Bytes planned onto each rail (stats).
+    rail_bytes: Vec<u64>,
     inbox: Arc<Inbox>,
     incoming: Vec<Datagram>,
     sends: HashMap<MsgId, Box<dyn SendBuf>>,
@@ -39,6 +46,7 @@ pub(crate) struct CommCore {
     next_req: u32,
     tx: Vec<Vec<u8>>,
     tx_meta: Vec<(u16, usize)>,
+    tx_by_rail: Vec<Vec<(u16, usize)>>,
     /// Datagrams from an address other than the peer's (dropped).
     wrong_peer: u64,
     role: &'static str,
@@ -74,16 +82,33 @@ impl Placer for Sinks<'_> {
 }
 
 impl CommCore {
-    pub fn new(net: Arc<NetInner>, rail: Arc<Rail>, conn: Connection, token: u64, peer: SocketAddrV4, role: &'static str) -> Self {
+    #[allow(clippy::too_many_arguments)]
+    pub fn new(
+        net: Arc<NetInner>,
+        conn: Connection,
+        token: u64,
+        peer_rails: Vec<SocketAddrV4>,
+        peer_host: u32,
+        home: u16,
+        plans: Plans,
+        role: &'static str,
+    ) -> Self {
         let inbox = Arc::new(Inbox::default());
-        rail.register(token, inbox.clone());
-        let tx = (0..BATCH).map(|_| vec![0u8; rail.max_datagram]).collect();
+        for rail in &net.rails {
+            rail.register(token, inbox.clone());
+        }
+        let max_dgram = net.rails.iter().map(|r| r.max_datagram).min().unwrap_or(0);
+        let tx = (0..BATCH).map(|_| vec![0u8; max_dgram]).collect();
+        let nrails = net.rails.len();
         Self {
             net,
-            rail,
             conn,
             token,
-            peer,
+            peer_rails,
+            peer_host,
+            home,
+            plans,
+            rail_bytes: vec![0; nrails],
             inbox,
             incoming: Vec::new(),
             sends: HashMap::new(),
@@ -93,6 +118,7 @@ impl CommCore {
             next_req: 1,
             tx,
             tx_meta: Vec::with_capacity(BATCH),
+            tx_by_rail: vec![Vec::with_capacity(BATCH); nrails],
             wrong_peer: 0,
             role,
             closed: false,
@@ -119,12 +145,14 @@ impl CommCore {
             return;
         }
         let now = self.net.now_us();
-        self.rail.poll_rx();
+        for rail in &self.net.rails {
+            rail.poll_rx();
+        }
         self.inbox.drain(&mut self.incoming);
         {
             let mut sinks = Sinks(&mut self.recvs);
             for d in &self.incoming {
-                if *d.src.ip() != *self.peer.ip() {
+                if !self.peer_rails.iter().any(|p| p.ip() == d.src.ip()) {
                     self.wrong_peer += 1;
                     continue;
                 }
@@ -132,7 +160,7 @@ impl CommCore {
             }
         }
         if !self.incoming.is_empty() {
-            self.rail.recycle(self.incoming.drain(..).map(|d| d.buf));
+            self.net.rails[0].recycle(self.incoming.drain(..).map(|d| d.buf));
         }
         if self.conn.poll_timeout().is_some_and(|t| t <= now) {
             self.conn.handle_timeout(now);
@@ -143,13 +171,14 @@ impl CommCore {
                 Completion::Sent { msg, len } => (msg, Outcome::Sent(len)),
                 Completion::Received { msg, sizes } => (msg, Outcome::Received(sizes)),
                 Completion::Failed { msg, error } => {
-                    tracing::warn!(role = self.role, peer = %self.peer, "request failed: {error}");
+                    tracing::warn!(role = self.role, peer = %self.peer_rails[0], "request failed: {error}");
                     (msg, Outcome::Failed(error))
                 }
             };
             // The buffers belong to NCCL again once the request is done.
             self.sends.remove(&msg);
             self.recvs.remove(&msg);
+            self.plans.lock().remove(&msg.0);
             self.done.insert(msg, outcome);
         }
     }
@@ -167,10 +196,25 @@ impl CommCore {
             if self.tx_meta.is_empty() {
                 return;
             }
-            let pkts: Vec<(u16, &[u8])> =
-                self.tx_meta.iter().zip(&self.tx).map(|(&(e, len), b)| (e, &b[..len])).collect();
-            if let Err(e) = self.rail.udp.send(self.peer, &pkts) {
-                tracing::warn!(role = self.role, peer = %self.peer, "sendmmsg failed: {e}");
+            // Entropies are rail-major: entropy e leaves rail e / paths from its socket e % paths,
+            // towards the peer's rail of the same index.
+            let paths = self.net.cfg.paths;
+            for v in &mut self.tx_by_rail {
+                v.clear();
+            }
+            for (k, &(e, _)) in self.tx_meta.iter().enumerate() {
+                let rail = (e / paths) as usize % self.tx_by_rail.len();
+                self.tx_by_rail[rail].push((e % paths, k));
+            }
+            for (rail, items) in self.tx_by_rail.iter().enumerate() {
+                if items.is_empty() {
+                    continue;
+                }
+                let dest = self.peer_rails[rail % self.peer_rails.len()];
+                let pkts: Vec<(u16, &[u8])> = items.iter().map(|&(e, k)| (e, &self.tx[k][..self.tx_meta[k].1])).collect();
+                if let Err(e) = self.net.rails[rail].udp.send(dest, &pkts) {
+                    tracing::warn!(role = self.role, peer = %dest, "sendmmsg failed: {e}");
+                }
             }
             if self.tx_meta.len() < BATCH {
                 return;
@@ -183,6 +227,26 @@ impl CommCore {
             PostError::Full => Ok(None),
             PostError::Dead(err) => Err(TransportError::ConnectionFailed(err.to_string())),
             other => Err(TransportError::InvalidArgument(other.to_string())),
+        }
+    }
+
+    /// Ask the load balancer how to spread message `msg` over rails and uplinks.
+    fn plan(&mut self, msg: MsgId, len: u64, now: u64) {
+        if len == 0 {
+            return;
+        }
+        let req = prism_lb::SendReq { dst_host: self.peer_host as usize, len, flow: self.token, home_rail: self.home };
+        match self.net.lb_rt.plan(&req, now) {
+            Ok(plan) => {
+                let map = ChunkMap::from_plan(&plan);
+                for (rail, bytes) in map.rails() {
+                    if let Some(b) = self.rail_bytes.get_mut(rail as usize) {
+                        *b += bytes;
+                    }
+                }
+                self.plans.lock().insert(msg.0, map);
+            }
+            Err(e) => tracing::warn!("no plan for a {len}-byte message ({e}); it stays on its own rail"),
         }
     }
 
@@ -208,8 +272,11 @@ impl CommCore {
     fn stats(&self) -> serde_json::Value {
         serde_json::json!({
             "role": self.role,
-            "rail": self.rail.info.name,
-            "peer": self.peer.to_string(),
+            "rail": self.net.rails[self.home as usize].info.name,
+            "peer": self.peer_rails[0].to_string(),
+            "peer_host": self.peer_host,
+            "paths_per_rail": self.net.cfg.paths,
+            "planned_bytes_per_rail": self.rail_bytes,
             "wrong_peer_dropped": self.wrong_peer,
             "conn": serde_json::to_value(self.conn.stats()).unwrap_or(serde_json::Value::Null),
         })
@@ -225,7 +292,9 @@ impl CommCore {
         self.conn.close(now);
         self.transmit(now);
         self.closed = true;
-        self.rail.unregister(self.token);
+        for rail in &self.net.rails {
+            rail.unregister(self.token);
+        }
         self.sends.clear();
         self.recvs.clear();
         self.net.record_stats(self.stats());
@@ -274,6 +343,7 @@ impl SendComm {
         let now = core.net.now_us();
         match core.conn.post_send(buf.len() as u64, tag, now) {
             Ok(msg) => {
+                core.plan(msg, buf.len() as u64, now);
                 core.sends.insert(msg, buf);
                 core.progress();
                 Ok(Some(core.new_req(msg)))

@@ -27,6 +27,8 @@ pub struct TransportConfig {
     pub sockbuf: u32,
     /// `PRISM_SEED`: seed of every random choice (tokens excepted); 0 = from the OS.
     pub seed: u64,
+    /// `PRISM_HOST`: this host's name in the `PRISM_TOPO` topology (default: the hostname).
+    pub host: Option<String>,
 }
 
 impl Default for TransportConfig {
@@ -41,6 +43,7 @@ impl Default for TransportConfig {
             rto_min_us: 2_000,
             sockbuf: 8 << 20,
             seed: 0,
+            host: None,
         }
     }
 }
@@ -78,6 +81,7 @@ impl TransportConfig {
         "PRISM_RTO_MIN_US",
         "PRISM_SOCKBUF",
         "PRISM_SEED",
+        "PRISM_HOST",
     ];
 
     /// Parse the variables; absent ones keep their defaults, bad ones are errors naming the variable.
@@ -106,6 +110,12 @@ impl TransportConfig {
         num(vars, "PRISM_RTO_MIN_US", 10, 10_000_000, &mut c.rto_min_us)?;
         num(vars, "PRISM_SOCKBUF", 65_536, 1 << 30, &mut c.sockbuf)?;
         num(vars, "PRISM_SEED", 0, u64::MAX, &mut c.seed)?;
+        if let Some(h) = vars.get("PRISM_HOST") {
+            if h.trim().is_empty() {
+                return Err(bad("PRISM_HOST", h, "must name this host as the topology does"));
+            }
+            c.host = Some(h.trim().to_string());
+        }
         Ok(c)
     }
 

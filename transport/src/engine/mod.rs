@@ -94,6 +94,7 @@ mod comm;
 mod config;
 pub mod device;
 mod net;
+mod planned;
 mod progress;
 mod rail;
 

@@ -9,6 +9,11 @@
 //! `0..4` magic "PRSM", `4` version, `6..8` TCP port, `8..12` IPv4 address, `12..20` listen nonce,
 //! `64..72` the connect state key (0 until `connect` first runs; NCCL passes the same handle on every
 //! retry, so the state of a connect in progress is found through it).
+//!
+//! HELLO (connect → listener) and its reply have one layout (128 bytes, big-endian): `0..4` magic,
+//! `4` version, `5` status (0 = ok), `6` number of rails, `8..16` listen nonce, `16..24` the sender's
+//! connection token, `24..28` the sender's topology host id, `32..128` up to 16 rails as (IPv4, UDP port).
+//! Rails pair by index (rail r talks to the peer's rail r), as in rail-optimised fabrics.
 
 use std::collections::HashMap;
 use std::io::{self, Read, Write};
@@ -18,10 +23,12 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use parking_lot::Mutex;
+use prism_lb::{LbRuntime, Topology};
 use rand::{RngCore, SeedableRng};
 use socket2::{Domain, Protocol, SockAddr, Socket, Type};
 
 use super::comm::{CommCore, RecvComm, SendComm, SharedCore};
+use super::planned::{PlannedPaths, Plans};
 use super::progress::Progress;
 use super::rail::Rail;
 use super::{device, DeviceInfo, TransportConfig, TransportError, HANDLE_LEN};
@@ -30,14 +37,20 @@ use crate::proto::{Connection, ProtoConfig};
 use crate::wire;
 
 const MAGIC: &[u8; 4] = b"PRSM";
-const VERSION: u8 = 1;
-const HELLO_LEN: usize = 32;
+const VERSION: u8 = 2;
+const HELLO_LEN: usize = 128;
+const MAX_RAILS: usize = 16;
+const RAILS_OFF: usize = 32;
 const STAGE_OFF: usize = 64;
 
 /// State every comm shares: configuration, clock, rails, statistics of closed comms.
 pub(crate) struct NetInner {
     pub cfg: TransportConfig,
     pub lb: prism_lb::LbConfig,
+    /// The load balancer shared by every comm (RailS loads, PRO/DR state per leaf, ...).
+    pub lb_rt: LbRuntime,
+    /// This host's id in the topology (or a stable id from its address when hosts are not listed).
+    pub host_id: u32,
     pub proto: ProtoConfig,
     start: Instant,
     pub rails: Vec<Arc<Rail>>,
@@ -78,10 +91,73 @@ impl NetInner {
         shared
     }
 
-    fn connection(&self, local: u64, peer: u64) -> Connection {
+    /// A protocol connection whose path policy follows the lb plans stored in `plans`.
+    fn connection(&self, local: u64, peer: u64, peer_host: u32, home: u16, plans: &Plans) -> Connection {
         let seed = self.conn_seed();
-        Connection::new(self.proto.clone(), local, peer, self.lb.path_policy(seed), self.now_us())
+        let policy = PlannedPaths::new(
+            &self.lb_rt,
+            peer_host as usize,
+            self.rails.len() as u16,
+            self.cfg.paths,
+            home,
+            seed,
+            plans.clone(),
+        );
+        Connection::new(self.proto.clone(), local, peer, Box::new(policy), self.now_us())
     }
+
+    /// Our half of a handshake message: rails, token, host id.
+    fn hello(&self, status: u8, nonce: u64, token: u64) -> [u8; HELLO_LEN] {
+        let mut m = [0u8; HELLO_LEN];
+        m[0..4].copy_from_slice(MAGIC);
+        m[4] = VERSION;
+        m[5] = status;
+        m[6] = self.rails.len() as u8;
+        m[8..16].copy_from_slice(&nonce.to_be_bytes());
+        m[16..24].copy_from_slice(&token.to_be_bytes());
+        m[24..28].copy_from_slice(&self.host_id.to_be_bytes());
+        for (i, r) in self.rails.iter().enumerate() {
+            let o = RAILS_OFF + 6 * i;
+            m[o..o + 4].copy_from_slice(&r.udp.addr().octets());
+            m[o + 4..o + 6].copy_from_slice(&r.udp.rail_port().to_be_bytes());
+        }
+        m
+    }
+}
+
+/// The peer's half of a handshake, checked.
+struct Hello {
+    status: u8,
+    nonce: u64,
+    token: u64,
+    host: u32,
+    rails: Vec<SocketAddrV4>,
+}
+
+fn parse_hello(m: &[u8; HELLO_LEN]) -> Result<Hello, TransportError> {
+    if &m[0..4] != MAGIC {
+        return Err(TransportError::ConnectionFailed("handshake without Prism's magic".into()));
+    }
+    if m[4] != VERSION {
+        return Err(TransportError::ConnectionFailed(format!("peer speaks handshake version {} (this Prism: {VERSION})", m[4])));
+    }
+    let n = m[6] as usize;
+    if n == 0 || n > MAX_RAILS {
+        return Err(TransportError::ConnectionFailed(format!("peer announced {n} rails (1 to {MAX_RAILS} allowed)")));
+    }
+    let rails = (0..n)
+        .map(|i| {
+            let o = RAILS_OFF + 6 * i;
+            SocketAddrV4::new(Ipv4Addr::new(m[o], m[o + 1], m[o + 2], m[o + 3]), u16::from_be_bytes([m[o + 4], m[o + 5]]))
+        })
+        .collect();
+    Ok(Hello {
+        status: m[5],
+        nonce: u64::from_be_bytes(m[8..16].try_into().expect("8 bytes")),
+        token: u64::from_be_bytes(m[16..24].try_into().expect("8 bytes")),
+        host: u32::from_be_bytes(m[24..28].try_into().expect("4 bytes")),
+        rails,
+    })
 }
 
 /// A fresh random connection token (never 0, which marks "none").
@@ -163,18 +239,26 @@ impl Net {
             );
             rails.push(Arc::new(Rail::new(info, udp, max_dgram)));
         }
-        // Every rail uses the smallest payload so that a retransmission fits on any of them.
+        if rails.len() > MAX_RAILS {
+            return Err(TransportError::Config(format!("PRISM_IFNAMES: {} rails, at most {MAX_RAILS}", rails.len())));
+        }
+        let (lb_rt, host_id) = lb_runtime(&cfg, &lb, &rails)?;
+        // Every rail uses the smallest payload so that a retransmission fits on any of them. A comm's
+        // entropies cover every rail (rail-major), so its proto knows rails × paths of them.
         let proto = ProtoConfig {
-            n_paths: cfg.paths,
+            n_paths: cfg.paths * rails.len() as u16,
             max_payload: min_dgram - wire::MAX_HEADER_LEN,
             window_pkts: cfg.window_pkts,
             rto_min_us: cfg.rto_min_us,
             peer_timeout_us: cfg.peer_timeout_ms * 1000,
             ..ProtoConfig::default()
         };
+        tracing::info!("load balancing: {} (host id {host_id})", lb.describe());
         let inner = Arc::new(NetInner {
             cfg,
             lb,
+            lb_rt,
+            host_id,
             proto,
             start: Instant::now(),
             rails,
@@ -211,7 +295,7 @@ impl Net {
         handle[8..12].copy_from_slice(&rail.udp.addr().octets());
         handle[12..20].copy_from_slice(&nonce.to_be_bytes());
         tracing::debug!(rail = %rail.info.name, port, "listening");
-        Ok(Listener { inner: self.inner.clone(), rail, sock, nonce, pending: Vec::new() })
+        Ok(Listener { inner: self.inner.clone(), rail, dev: dev as u16, sock, nonce, pending: Vec::new() })
     }
 
     /// Connect to the listener described by `handle`; `Ok(None)` until the handshake is done.
@@ -222,13 +306,8 @@ impl Net {
             let target = parse_handle(handle)?;
             let rail = self.rail(dev)?;
             let token = new_token();
-            let mut out = [0u8; HELLO_LEN];
-            out[0..4].copy_from_slice(MAGIC);
-            out[4] = VERSION;
-            out[8..16].copy_from_slice(&handle[12..20]);
-            out[16..24].copy_from_slice(&token.to_be_bytes());
-            out[24..28].copy_from_slice(&rail.udp.addr().octets());
-            out[28..30].copy_from_slice(&rail.udp.rail_port().to_be_bytes());
+            let nonce = u64::from_be_bytes(handle[12..20].try_into().expect("8 bytes"));
+            let out = self.inner.hello(0, nonce, token);
             let sock = start_tcp_connect(target, rail.udp.addr())?;
             let key = self.next_stage.fetch_add(1, Ordering::Relaxed);
             handle[STAGE_OFF..STAGE_OFF + 8].copy_from_slice(&key.to_be_bytes());
@@ -304,18 +383,16 @@ impl Net {
     }
 
     fn finish_connect(&self, pc: &PendingConnect) -> Result<SendComm, TransportError> {
-        let r = &pc.inp;
-        if &r[0..4] != MAGIC || r[4] != VERSION || r[5] != 0 {
-            return Err(TransportError::ConnectionFailed(format!("{} refused the handshake (status {})", pc.target, r[5])));
+        let h = parse_hello(&pc.inp)?;
+        if h.status != 0 {
+            return Err(TransportError::ConnectionFailed(format!("{} refused the handshake (status {})", pc.target, h.status)));
         }
-        let peer_token = u64::from_be_bytes(r[16..24].try_into().expect("8 bytes"));
-        let ip = Ipv4Addr::new(r[24], r[25], r[26], r[27]);
-        let port = u16::from_be_bytes([r[28], r[29]]);
-        let peer = SocketAddrV4::new(ip, port);
-        let rail = self.inner.rails[pc.dev].clone();
-        let conn = self.inner.connection(pc.token, peer_token);
-        tracing::info!(rail = %rail.info.name, %peer, "send comm connected");
-        Ok(SendComm::new(self.inner.adopt(CommCore::new(self.inner.clone(), rail, conn, pc.token, peer, "send"))))
+        let home = pc.dev as u16;
+        let plans = Plans::default();
+        let conn = self.inner.connection(pc.token, h.token, h.host, home, &plans);
+        tracing::info!(rail = %self.inner.rails[pc.dev].info.name, peer = %h.rails[0], rails = h.rails.len(), "send comm connected");
+        let core = CommCore::new(self.inner.clone(), conn, pc.token, h.rails, h.host, home, plans, "send");
+        Ok(SendComm::new(self.inner.adopt(core)))
     }
 
     /// Statistics of every comm closed so far plus per-rail counters, as JSON.
@@ -339,6 +416,44 @@ impl Net {
             "comms": *self.inner.closed.lock(),
         })
     }
+}
+
+/// The lb runtime of this process, and this host's id in its topology.
+fn lb_runtime(cfg: &TransportConfig, lb: &prism_lb::LbConfig, rails: &[Arc<Rail>]) -> Result<(LbRuntime, u32), TransportError> {
+    let n = rails.len() as u16;
+    let topo = match &lb.topo_path {
+        None => Topology::single_leaf(n),
+        Some(path) => {
+            let text = std::fs::read_to_string(path)
+                .map_err(|e| TransportError::Config(format!("PRISM_TOPO={path}: cannot read it: {e}")))?;
+            let t = Topology::from_json(&text).map_err(|e| TransportError::Config(format!("PRISM_TOPO={path}: {e}")))?;
+            if t.rails() != n {
+                return Err(TransportError::Config(format!(
+                    "PRISM_TOPO={path}: the topology has {} rails but this host has {n} (PRISM_IFNAMES)",
+                    t.rails()
+                )));
+            }
+            t
+        }
+    };
+    let host_id = if topo.lists_hosts() {
+        let name = match &cfg.host {
+            Some(h) => h.clone(),
+            None => std::fs::read_to_string("/proc/sys/kernel/hostname").map(|s| s.trim().to_string()).unwrap_or_default(),
+        };
+        topo.host_by_name(&name).ok_or_else(|| {
+            TransportError::Config(format!("PRISM_TOPO: host '{name}' is not in the topology (set PRISM_HOST to its name there)"))
+        })? as u32
+    } else {
+        // Any stable id per host will do: the address of its first rail.
+        match rails[0].info.addr {
+            std::net::IpAddr::V4(a) => u32::from(a),
+            std::net::IpAddr::V6(_) => 0,
+        }
+    };
+    let seed = if cfg.seed == 0 { rand::random() } else { cfg.seed };
+    let rt = lb.runtime(topo, host_id as usize, seed).map_err(|e| TransportError::Config(format!("load balancing: {e}")))?;
+    Ok((rt, host_id))
 }
 
 fn parse_handle(h: &[u8; HANDLE_LEN]) -> Result<SocketAddrV4, TransportError> {
@@ -380,6 +495,7 @@ struct PendingAccept {
 pub struct Listener {
     inner: Arc<NetInner>,
     rail: Arc<Rail>,
+    dev: u16,
     sock: Socket,
     nonce: u64,
     pending: Vec<PendingAccept>,
@@ -429,25 +545,20 @@ impl Listener {
             if p.got < HELLO_LEN {
                 return Ok(None);
             }
-            let h = &p.inp;
-            let mut reply = [0u8; HELLO_LEN];
-            reply[0..4].copy_from_slice(MAGIC);
-            reply[4] = VERSION;
-            let nonce = u64::from_be_bytes(h[8..16].try_into().expect("8 bytes"));
-            if &h[0..4] != MAGIC || h[4] != VERSION || nonce != self.nonce {
-                reply[5] = 1;
-                let _ = (&p.sock).write(&reply);
-                return Err(TransportError::BadHandle(format!("HELLO from {} does not match this listener", p.from)));
-            }
-            let peer_token = u64::from_be_bytes(h[16..24].try_into().expect("8 bytes"));
-            let peer = SocketAddrV4::new(Ipv4Addr::new(h[24], h[25], h[26], h[27]), u16::from_be_bytes([h[28], h[29]]));
+            let h = match parse_hello(&p.inp) {
+                Ok(h) if h.nonce == self.nonce => h,
+                Ok(_) | Err(_) => {
+                    let _ = (&p.sock).write(&self.inner.hello(1, 0, 0));
+                    return Err(TransportError::BadHandle(format!("HELLO from {} does not match this listener", p.from)));
+                }
+            };
             let token = new_token();
-            reply[16..24].copy_from_slice(&token.to_be_bytes());
-            reply[24..28].copy_from_slice(&self.rail.udp.addr().octets());
-            reply[28..30].copy_from_slice(&self.rail.udp.rail_port().to_be_bytes());
+            let reply = self.inner.hello(0, self.nonce, token);
             // Registered before the reply leaves, so the sender's first datagram finds its comm.
-            let conn = self.inner.connection(token, peer_token);
-            let comm = RecvComm::new(self.inner.adopt(CommCore::new(self.inner.clone(), self.rail.clone(), conn, token, peer, "recv")));
+            let plans = Plans::default();
+            let conn = self.inner.connection(token, h.token, h.host, self.dev, &plans);
+            let core = CommCore::new(self.inner.clone(), conn, token, h.rails, h.host, self.dev, plans, "recv");
+            let comm = RecvComm::new(self.inner.adopt(core));
             p.reply = Some((reply, 0, comm));
         }
         let Some((reply, sent, _)) = p.reply.as_mut() else { return Ok(None) };

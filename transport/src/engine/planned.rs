@@ -1,0 +1,165 @@
+//! The path policy a comm hands to `proto`: it follows the lb runtime's plan of each message.
+//!
+//! A comm spans every rail. Its entropies are numbered rail-major: entropy `e` is source port
+//! `e % paths` of rail `e / paths`, so proto's per-entropy timers and states cover every rail and a dead
+//! rail simply shows up as dead entropies. For each packet this policy finds the plan chunk holding the
+//! packet's offset (rail layer: which rail; split layer: which uplink) and asks that rail's path policy
+//! (PRO, REPS, spray, ...) for an entropy on that uplink.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use parking_lot::Mutex;
+use prism_lb::{Feedback, FlowInfo, LbRuntime, PathCtx, PathPolicy, Plan};
+
+/// A plan reduced to what a pick needs, sorted by offset.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct ChunkMap {
+    /// (offset, end, rail, uplink), sorted by offset, covering the message.
+    spans: Vec<(u64, u64, u16, Option<u16>)>,
+}
+
+impl ChunkMap {
+    pub fn from_plan(plan: &Plan) -> Self {
+        let mut spans: Vec<_> =
+            plan.chunks.iter().map(|c| (c.offset, c.offset + u64::from(c.len), c.rail, c.uplink)).collect();
+        spans.sort_unstable_by_key(|s| s.0);
+        Self { spans }
+    }
+
+    fn at(&self, offset: u64) -> Option<(u16, Option<u16>)> {
+        let i = self.spans.partition_point(|s| s.0 <= offset).checked_sub(1)?;
+        let s = self.spans[i];
+        (offset < s.1 || s.0 == s.1).then_some((s.2, s.3))
+    }
+
+    /// Bytes per rail (for stats and tests).
+    pub fn rails(&self) -> impl Iterator<Item = (u16, u64)> + '_ {
+        self.spans.iter().map(|s| (s.2, s.1 - s.0))
+    }
+}
+
+/// Plans of the messages in flight on one comm, by proto message id.
+pub(crate) type Plans = Arc<Mutex<HashMap<u64, ChunkMap>>>;
+
+/// One policy per rail, steered by the plans.
+pub(crate) struct PlannedPaths {
+    paths: u16,
+    home: u16,
+    rails: Vec<Box<dyn PathPolicy>>,
+    plans: Plans,
+}
+
+impl PlannedPaths {
+    /// Path policies for a comm to `dst_host` whose home (NCCL device) rail is `home`.
+    pub fn new(rt: &LbRuntime, dst_host: usize, rails: u16, paths: u16, home: u16, seed: u64, plans: Plans) -> Self {
+        let rails = (0..rails)
+            .map(|rail| rt.path_policy(FlowInfo { dst_host, rail }, seed ^ (u64::from(rail) << 48)))
+            .collect();
+        Self { paths, home, rails, plans }
+    }
+
+    fn split(&self, e: u16) -> (usize, u16) {
+        ((e / self.paths) as usize, e % self.paths)
+    }
+}
+
+impl PathPolicy for PlannedPaths {
+    fn name(&self) -> &'static str {
+        self.rails.first().map_or("planned", |p| p.name())
+    }
+
+    fn pick(&mut self, ctx: &PathCtx) -> u16 {
+        let (rail, uplink) = self.plans.lock().get(&ctx.msg).and_then(|m| m.at(ctx.offset)).unwrap_or((self.home, None));
+        let rail = rail.min(self.rails.len() as u16 - 1);
+        let avoid = ctx.avoid.and_then(|a| {
+            let (r, e) = self.split(a);
+            (r == rail as usize).then_some(e)
+        });
+        let inner = PathCtx { n_paths: self.paths, avoid, ..*ctx };
+        let e = self.rails[rail as usize].pick_for(&inner, uplink) % self.paths;
+        rail * self.paths + e
+    }
+
+    fn feedback(&mut self, fb: &Feedback) {
+        let Some(entropy) = fb.entropy() else {
+            // A timeout whose path is unknown concerns every rail.
+            for p in &mut self.rails {
+                p.feedback(fb);
+            }
+            return;
+        };
+        let (rail, e) = self.split(entropy);
+        let local = match *fb {
+            Feedback::Ack { rtt_us, congested, bytes, now_us, .. } => Feedback::Ack { entropy: e, rtt_us, congested, bytes, now_us },
+            Feedback::Nack { now_us, .. } => Feedback::Nack { entropy: e, now_us },
+            Feedback::Timeout { max_rtt_us, base_rtt_us, now_us, .. } => {
+                Feedback::Timeout { entropy: Some(e), max_rtt_us, base_rtt_us, now_us }
+            }
+            Feedback::PathState { alive, now_us, .. } => Feedback::PathState { entropy: e, alive, now_us },
+        };
+        if let Some(p) = self.rails.get_mut(rail) {
+            p.feedback(&local);
+        }
+    }
+
+    fn describe_state(&self) -> serde_json::Value {
+        serde_json::Value::Array(self.rails.iter().map(|p| p.describe_state()).collect())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use prism_lb::{LbConfig, Topology};
+    use std::collections::BTreeMap;
+
+    fn runtime(vars: &[(&str, &str)], rails: u16) -> LbRuntime {
+        let v: BTreeMap<String, String> = vars.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
+        LbConfig::from_vars(&v).unwrap().runtime(Topology::single_leaf(rails), 7, 1).unwrap()
+    }
+
+    fn ctx(msg: u64, offset: u64) -> PathCtx {
+        PathCtx { msg, offset, n_paths: 32, retransmit: false, avoid: None, now_us: 0 }
+    }
+
+    #[test]
+    fn packets_follow_their_chunks_rail() {
+        let rt = runtime(&[("PRISM_RAIL", "rr"), ("PRISM_CHUNK", "4096")], 2);
+        let plans: Plans = Arc::default();
+        let plan = rt.plan(&prism_lb::SendReq { dst_host: 9, len: 64 * 1024, flow: 1, home_rail: 0 }, 0).unwrap();
+        let map = ChunkMap::from_plan(&plan);
+        let expect: Vec<(u64, u16)> = plan.chunks.iter().map(|c| (c.offset, c.rail)).collect();
+        plans.lock().insert(5, map);
+        let mut p = PlannedPaths::new(&rt, 9, 2, 16, 0, 3, plans);
+        let mut per_rail = [0u32; 2];
+        for (offset, rail) in expect {
+            for k in 0..4 {
+                let e = p.pick(&ctx(5, offset + k * 1024));
+                assert_eq!(e / 16, rail, "offset {offset}");
+                per_rail[rail as usize] += 1;
+            }
+        }
+        assert_eq!(per_rail[0], per_rail[1], "rr alternates rails");
+    }
+
+    #[test]
+    fn a_message_without_plan_stays_on_the_home_rail() {
+        let rt = runtime(&[], 3);
+        let mut p = PlannedPaths::new(&rt, 1, 3, 8, 2, 3, Arc::default());
+        for off in 0..100 {
+            let e = p.pick(&PathCtx { n_paths: 24, ..ctx(1, off * 100) });
+            assert!((16..24).contains(&e), "{e}");
+        }
+    }
+
+    #[test]
+    fn a_retransmission_avoids_the_lost_entropy_on_the_same_rail() {
+        let rt = runtime(&[], 1);
+        let mut p = PlannedPaths::new(&rt, 1, 1, 4, 0, 3, Arc::default());
+        for _ in 0..200 {
+            let e = p.pick(&PathCtx { retransmit: true, avoid: Some(2), n_paths: 4, ..ctx(1, 0) });
+            assert_ne!(e, 2);
+        }
+    }
+}
