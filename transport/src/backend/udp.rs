@@ -13,7 +13,7 @@ use nix::sys::socket::{recvmmsg, sendmmsg, MsgFlags, MultiHeaders, SockaddrIn};
 use socket2::{Domain, Protocol, Socket, Type};
 
 /// Most datagrams one `sendmmsg`/`recvmmsg` moves.
-pub const BATCH: usize = 32;
+pub const BATCH: usize = 64;
 
 /// The sockets of one rail.
 #[derive(Debug)]
@@ -75,21 +75,26 @@ impl UdpRail {
         &self.ports
     }
 
-    /// Send `pkts` (entropy, bytes) to `dest`, batching runs of the same entropy into one `sendmmsg`.
-    /// A full socket buffer (`EAGAIN`) drops the rest of that run: the transport treats it as loss.
-    /// Returns how many datagrams the kernel took.
+    /// Send `pkts` (entropy, bytes) to `dest` with one `sendmmsg` per entropy: a socket is one source
+    /// port, so a batch sprayed over P entropies costs P system calls, not one per packet. Packets of
+    /// one entropy keep their order; across entropies the batch is reordered by at most its length
+    /// (the transport's reorder threshold allows for that). A full socket buffer (`EAGAIN`) drops the
+    /// rest of that entropy's run: the transport treats it as loss. Returns how many datagrams the
+    /// kernel took.
     pub fn send(&self, dest: SocketAddrV4, pkts: &[(u16, &[u8])]) -> io::Result<usize> {
         let addr = SockaddrIn::from(dest);
+        let mut order: Vec<usize> = (0..pkts.len()).collect();
+        order.sort_by_key(|&k| pkts[k].0);
         let mut sent = 0;
         let mut i = 0;
-        while i < pkts.len() {
-            let e = pkts[i].0;
+        while i < order.len() {
+            let e = pkts[order[i]].0;
             let mut j = i + 1;
-            while j < pkts.len() && pkts[j].0 == e && j - i < BATCH {
+            while j < order.len() && pkts[order[j]].0 == e {
                 j += 1;
             }
             let sock = &self.socks[e as usize % self.socks.len()];
-            let iovs: Vec<[IoSlice<'_>; 1]> = pkts[i..j].iter().map(|(_, b)| [IoSlice::new(b)]).collect();
+            let iovs: Vec<[IoSlice<'_>; 1]> = order[i..j].iter().map(|&k| [IoSlice::new(pkts[k].1)]).collect();
             let addrs = vec![Some(addr); j - i];
             let mut hdrs = MultiHeaders::<SockaddrIn>::preallocate(j - i, None);
             match sendmmsg(sock.as_raw_fd(), &mut hdrs, &iovs, &addrs, [], MsgFlags::MSG_DONTWAIT) {

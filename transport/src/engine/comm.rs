@@ -51,6 +51,9 @@ pub(crate) struct CommCore {
     wrong_peer: u64,
     role: &'static str,
     closed: bool,
+    /// When the owner (NCCL's thread) last drove this comm; the progress thread leaves it alone
+    /// while the owner is active.
+    owner_active_us: u64,
 }
 
 struct Sources<'a>(&'a HashMap<MsgId, Box<dyn SendBuf>>);
@@ -122,7 +125,19 @@ impl CommCore {
             wrong_peer: 0,
             role,
             closed: false,
+            owner_active_us: 0,
         }
+    }
+
+    /// True when the owner drove the comm within the last `window_us`.
+    pub fn owner_active(&self, now: u64, window_us: u64) -> bool {
+        now.saturating_sub(self.owner_active_us) < window_us
+    }
+
+    /// Progress on behalf of the owner (isend/irecv/test).
+    fn owner_progress(&mut self) {
+        self.progress();
+        self.owner_active_us = self.net.now_us();
     }
 
     /// True once the owner closed it.
@@ -260,7 +275,7 @@ impl CommCore {
     /// Progress, then the outcome of `req` if it is done (the request is then forgotten).
     fn test(&mut self, req: ReqId) -> Result<Option<Outcome>, TransportError> {
         let msg = *self.reqs.get(&req).ok_or(TransportError::UnknownRequest(req.0))?;
-        self.progress();
+        self.owner_progress();
         let out = self.done.remove(&msg);
         if out.is_some() {
             self.reqs.remove(&req);
@@ -345,11 +360,11 @@ impl SendComm {
             Ok(msg) => {
                 core.plan(msg, buf.len() as u64, now);
                 core.sends.insert(msg, buf);
-                core.progress();
+                core.owner_progress();
                 Ok(Some(core.new_req(msg)))
             }
             Err(e) => {
-                core.progress();
+                core.owner_progress();
                 core.post_error(e)
             }
         }
@@ -396,11 +411,11 @@ impl RecvComm {
         match core.conn.post_recv(&specs, now) {
             Ok(msg) => {
                 core.recvs.insert(msg, bufs.into_iter().map(|(b, _)| b).collect());
-                core.progress();
+                core.owner_progress();
                 Ok(Some(core.new_req(msg)))
             }
             Err(e) => {
-                core.progress();
+                core.owner_progress();
                 core.post_error(e)
             }
         }

@@ -32,7 +32,7 @@ use super::planned::{PlannedPaths, Plans};
 use super::progress::Progress;
 use super::rail::Rail;
 use super::{device, DeviceInfo, TransportConfig, TransportError, HANDLE_LEN};
-use crate::backend::udp::UdpRail;
+use crate::backend::udp::{UdpRail, BATCH};
 use crate::proto::{Connection, ProtoConfig};
 use crate::wire;
 
@@ -249,6 +249,8 @@ impl Net {
             n_paths: cfg.paths * rails.len() as u16,
             max_payload: min_dgram - wire::MAX_HEADER_LEN,
             window_pkts: cfg.window_pkts,
+            // A batch is reordered by up to its length when it is spread over the sockets.
+            reorder_threshold: ProtoConfig::default().reorder_threshold.max(BATCH as u32 + 32),
             rto_min_us: cfg.rto_min_us,
             peer_timeout_us: cfg.peer_timeout_ms * 1000,
             ..ProtoConfig::default()

@@ -20,6 +20,10 @@ use super::net::NetInner;
 /// Longest the thread sleeps with nothing due (bounds how stale an idle comm's timers can get).
 const MAX_SLEEP_US: u64 = 1_000;
 
+/// A comm whose owner drove it this recently is the owner's business: the thread skips it, so that
+/// on a busy host it does not compete with NCCL's own progress thread for the CPU.
+const OWNER_ACTIVE_US: u64 = 500;
+
 /// Registry of open comms and the thread that serves them.
 #[derive(Default)]
 pub(crate) struct Progress {
@@ -75,12 +79,16 @@ impl Progress {
 fn run(net: Weak<NetInner>, stop: Arc<AtomicBool>) {
     while !stop.load(Ordering::Acquire) {
         let Some(net) = net.upgrade() else { return };
-        for rail in &net.rails {
-            rail.poll_rx();
-        }
-        let mut wake = net.now_us() + MAX_SLEEP_US;
+        let start = net.now_us();
+        let mut wake = start + MAX_SLEEP_US;
+        let mut orphans = false;
         for core in net.progress.live() {
             if let Some(mut c) = core.try_lock() {
+                if c.owner_active(start, OWNER_ACTIVE_US) {
+                    wake = wake.min(start + OWNER_ACTIVE_US);
+                    continue;
+                }
+                orphans = true;
                 c.progress();
                 if let Some(t) = c.next_wake() {
                     wake = wake.min(t);
@@ -90,6 +98,11 @@ fn run(net: Weak<NetInner>, stop: Arc<AtomicBool>) {
         let now = net.now_us();
         let sleep_us = wake.saturating_sub(now);
         if sleep_us == 0 {
+            continue;
+        }
+        if !orphans {
+            // Every comm has an active owner: just check back later.
+            std::thread::sleep(std::time::Duration::from_micros(sleep_us));
             continue;
         }
         // Wake early when any rail has datagrams.

@@ -1,0 +1,551 @@
+//! The connection: one NCCL comm's protocol state, both halves, plus what they share (paths, timers,
+//! keepalives, peer timeout, close). The halves live in `sender.rs` and `receiver.rs`.
+
+use std::collections::VecDeque;
+
+use prism_lb::PathPolicy;
+
+use super::path::{Path, Probe};
+use super::receiver::RxState;
+use super::rtt::RttEstimator;
+use super::sender::TxState;
+use super::stats::{ConnStats, PathHealth, PathStats};
+use super::{
+    Completion, Micros, MsgError, MsgId, PayloadSource, Placer, PostError, ProtoConfig, RecvSpec, Transmit, MAX_OUTSTANDING,
+    MAX_RECV_BUFS,
+};
+use crate::wire::{
+    ControlKind, ControlPacket, ControlRepr, CtsPacket, CtsRepr, DataPacket, DataRepr, Header, PacketType, SackPacket,
+    SackRepr, WireError,
+};
+
+#[derive(Debug, Clone)]
+enum Life {
+    Open,
+    /// Closed locally: a CLOSE goes out, and again (rate-limited) when the peer keeps talking.
+    Closed { close_due: bool, last_close_at: Option<Micros> },
+    /// The peer timed out or closed.
+    Dead(MsgError),
+}
+
+/// A parsed, checked packet.
+enum Parsed {
+    Data(DataRepr),
+    Cts(CtsRepr),
+    Sack(SackRepr),
+    Control(ControlRepr),
+}
+
+impl Parsed {
+    fn parse(bytes: &[u8], ptype: PacketType) -> Result<Self, WireError> {
+        Ok(match ptype {
+            PacketType::Data => Self::Data(DataRepr::parse(&DataPacket::new_checked(bytes)?)?),
+            PacketType::Cts => Self::Cts(CtsRepr::parse(&CtsPacket::new_checked(bytes)?)?),
+            PacketType::Sack => Self::Sack(SackRepr::parse(&SackPacket::new_checked(bytes)?)?),
+            PacketType::Control => Self::Control(ControlRepr::parse(&ControlPacket::new_checked(bytes)?)?),
+        })
+    }
+
+    fn cts_ack(&self) -> u64 {
+        match self {
+            Self::Data(r) => r.cts_ack,
+            Self::Cts(r) => r.cts_ack,
+            Self::Sack(r) => r.cts_ack,
+            Self::Control(r) => r.cts_ack,
+        }
+    }
+}
+
+/// The sans-IO protocol state of one NCCL comm (either role; control flows both ways).
+pub struct Connection {
+    pub(super) cfg: ProtoConfig,
+    local_token: u64,
+    pub(super) peer_token: u64,
+    pub(super) policy: Box<dyn PathPolicy>,
+    next_msg_id: u64,
+    pub(super) tx: TxState,
+    pub(super) rx: RxState,
+    pub(super) paths: Vec<Path>,
+    /// RTT of the connection as a whole, for CTS retransmission and probes.
+    pub(super) ctl_rtt: RttEstimator,
+    pub(super) stats: ConnStats,
+    pub(super) completions: VecDeque<Completion>,
+    life: Life,
+    /// Latest time seen; the caller's clock is taken as monotonic even if it is not.
+    now: Micros,
+    last_heard: Micros,
+    /// Since when requests have been outstanding (silence before that does not count).
+    work_since: Option<Micros>,
+    last_ping_at: Option<Micros>,
+    ping_due: bool,
+    pong_due: Option<(u16, u32)>,
+    probes_due: VecDeque<u16>,
+    ctl_rr: u16,
+}
+
+impl std::fmt::Debug for Connection {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Connection")
+            .field("local_token", &self.local_token)
+            .field("peer_token", &self.peer_token)
+            .field("policy", &self.policy.name())
+            .field("life", &self.life)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Connection {
+    /// A connection between `local_token` (this end) and `peer_token`, spreading packets with `policy`.
+    /// Unusable configuration values are corrected (and logged).
+    pub fn new(cfg: ProtoConfig, local_token: u64, peer_token: u64, policy: Box<dyn PathPolicy>, now: Micros) -> Self {
+        let cfg = cfg.sanitized();
+        let rtt = RttEstimator::new(cfg.rto_min_us, cfg.rto_max_us, cfg.rto_initial_us);
+        let paths = (0..cfg.n_paths).map(|_| Path::new(rtt.clone())).collect();
+        let stats = ConnStats {
+            reorder_threshold: cfg.reorder_threshold,
+            paths: (0..cfg.n_paths).map(|entropy| PathStats { entropy, rto_us: rtt.rto_us(), ..PathStats::default() }).collect(),
+            ..ConnStats::default()
+        };
+        Self {
+            tx: TxState::new(cfg.reorder_threshold),
+            rx: RxState::new(),
+            paths,
+            ctl_rtt: rtt,
+            stats,
+            completions: VecDeque::new(),
+            cfg,
+            local_token,
+            peer_token,
+            policy,
+            next_msg_id: 0,
+            life: Life::Open,
+            now,
+            last_heard: now,
+            work_since: None,
+            last_ping_at: None,
+            ping_due: false,
+            pong_due: None,
+            probes_due: VecDeque::new(),
+            ctl_rr: 0,
+        }
+    }
+
+    /// Post a send of `len` bytes with NCCL tag `tag`. It is transmitted once the peer's CTS offers a
+    /// buffer for it, and completes `Sent` once every byte is acknowledged.
+    pub fn post_send(&mut self, len: u64, tag: i32, now: Micros) -> Result<MsgId, PostError> {
+        let now = self.clock(now);
+        self.check_postable()?;
+        let id = self.new_msg_id();
+        self.queue_send(id, len, tag);
+        self.update_work(now);
+        Ok(id)
+    }
+
+    /// Post a grouped receive of 1..=8 buffers; a CTS tells the peer about them.
+    pub fn post_recv(&mut self, bufs: &[RecvSpec], now: Micros) -> Result<MsgId, PostError> {
+        let now = self.clock(now);
+        if bufs.is_empty() || bufs.len() > MAX_RECV_BUFS {
+            return Err(PostError::TooManyBuffers(bufs.len()));
+        }
+        self.check_postable()?;
+        let id = self.new_msg_id();
+        self.queue_recv(id, bufs);
+        self.update_work(now);
+        Ok(id)
+    }
+
+    fn check_postable(&self) -> Result<(), PostError> {
+        match &self.life {
+            Life::Open => {}
+            Life::Closed { .. } => return Err(PostError::Dead(MsgError::Closed)),
+            Life::Dead(e) => return Err(PostError::Dead(e.clone())),
+        }
+        if self.tx.open_sends() + self.rx.open_recvs() >= MAX_OUTSTANDING {
+            return Err(PostError::Full);
+        }
+        Ok(())
+    }
+
+    fn new_msg_id(&mut self) -> MsgId {
+        let id = MsgId(self.next_msg_id);
+        self.next_msg_id += 1;
+        id
+    }
+
+    fn clock(&mut self, now: Micros) -> Micros {
+        self.now = self.now.max(now);
+        self.now
+    }
+
+    /// Work is outstanding: requests, unacknowledged packets or CTS.
+    fn has_work(&self) -> bool {
+        self.tx.busy() || self.rx.open_recvs() > 0
+    }
+
+    fn update_work(&mut self, now: Micros) {
+        if !matches!(self.life, Life::Open) || !self.has_work() {
+            self.work_since = None;
+        } else if self.work_since.is_none() {
+            self.work_since = Some(now);
+        }
+    }
+
+    /// One datagram from the network. Anything malformed, misaddressed or inconsistent is dropped and
+    /// counted in `stats().dropped`; payload reaches `placer` only inside a posted buffer.
+    pub fn handle_datagram(&mut self, bytes: &[u8], now: Micros, placer: &mut dyn Placer) {
+        let now = self.clock(now);
+        let header = match Header::new_checked(bytes) {
+            Ok(h) => h,
+            Err(e) => return self.drop_wire(&e),
+        };
+        if header.token() != self.local_token {
+            self.stats.dropped.bad_token += 1;
+            return;
+        }
+        let parsed = match header.packet_type().and_then(|t| Parsed::parse(bytes, t)) {
+            Ok(p) => p,
+            Err(e) => return self.drop_wire(&e),
+        };
+        match &mut self.life {
+            Life::Open => {}
+            Life::Closed { close_due, last_close_at } => {
+                self.stats.dropped.after_close += 1;
+                let is_close = matches!(&parsed, Parsed::Control(c) if c.kind == ControlKind::Close);
+                if !is_close && last_close_at.map_or(0, |t| t.saturating_add(self.cfg.rto_min_us)) <= now {
+                    *close_due = true;
+                }
+                return;
+            }
+            Life::Dead(_) => {
+                self.stats.dropped.after_close += 1;
+                return;
+            }
+        }
+        if !self.is_consistent(&parsed) {
+            self.stats.dropped.malformed += 1;
+            return;
+        }
+        self.last_heard = now;
+        self.on_cts_ack(parsed.cts_ack(), now);
+        match parsed {
+            Parsed::Data(d) => {
+                let pkt = DataPacket::new_unchecked(bytes);
+                self.on_data(&d, pkt.payload(), now, placer);
+            }
+            Parsed::Cts(c) => self.on_cts(&c),
+            Parsed::Sack(s) => self.on_sack(&s, now),
+            Parsed::Control(c) => self.on_control(&c, now),
+        }
+        self.update_work(now);
+    }
+
+    fn drop_wire(&mut self, e: &WireError) {
+        tracing::trace!("datagram dropped: {e}");
+        self.stats.dropped.count(e);
+    }
+
+    /// Fields that refer to our own state (CTS we sent, PSNs we sent) must not point past it.
+    fn is_consistent(&self, p: &Parsed) -> bool {
+        if p.cts_ack() > self.rx.next_cts_seq() {
+            return false;
+        }
+        match p {
+            Parsed::Sack(s) => self.sack_is_consistent(s),
+            Parsed::Control(c) => c.cum_psn <= self.tx.next_psn(),
+            Parsed::Data(_) | Parsed::Cts(_) => true,
+        }
+    }
+
+    fn on_control(&mut self, c: &ControlRepr, now: Micros) {
+        self.stats.control_received += 1;
+        self.on_cum_ack(c.cum_psn, now);
+        match c.kind {
+            ControlKind::Ack => {}
+            ControlKind::Ping => self.pong_due = Some((c.entropy, c.ts_us)),
+            ControlKind::Pong => {
+                let rtt = (now as u32).wrapping_sub(c.ts_us);
+                if rtt <= i32::MAX as u32 {
+                    self.ctl_rtt.sample(u64::from(rtt));
+                }
+                let e = c.entropy;
+                if e < self.cfg.n_paths && matches!(self.paths[e as usize].probe, Probe::Sent(_)) {
+                    let path = &mut self.paths[e as usize];
+                    path.consecutive_timeouts = 0;
+                    path.consecutive_losses = 0;
+                    path.timeout_tx_seq = None;
+                    self.set_health(e, PathHealth::Alive, now);
+                }
+            }
+            ControlKind::Close => {
+                tracing::debug!(peer = self.peer_token, "peer closed the connection");
+                self.die(MsgError::PeerClosed);
+            }
+        }
+    }
+
+    /// Fail every outstanding request with `error` and stop.
+    fn die(&mut self, error: MsgError) {
+        for msg in self.tx.abandon().into_iter().chain(self.rx.abandon()) {
+            self.completions.push_back(Completion::Failed { msg, error: error.clone() });
+        }
+        self.ping_due = false;
+        self.pong_due = None;
+        self.probes_due.clear();
+        for (path, ps) in self.paths.iter_mut().zip(&mut self.stats.paths) {
+            path.queue.clear();
+            path.in_flight = 0;
+            ps.in_flight = 0;
+        }
+        self.work_since = None;
+        self.life = match error {
+            MsgError::Closed => Life::Closed { close_due: true, last_close_at: None },
+            e => Life::Dead(e),
+        };
+    }
+
+    /// When outstanding work times out for lack of any word from the peer.
+    fn peer_deadline(&self) -> Option<(Micros, Micros)> {
+        let since = self.work_since?;
+        let base = since.max(self.last_heard);
+        Some((base, base.saturating_add(self.cfg.peer_timeout_us)))
+    }
+
+    fn keepalive_deadline(&self) -> Option<Micros> {
+        let since = self.work_since?;
+        let base = since.max(self.last_heard).max(self.last_ping_at.unwrap_or(0));
+        Some(base.saturating_add(self.cfg.keepalive_us))
+    }
+
+    /// Dead paths are probed again after `path_revive_us`, and a probe without answer re-arms that.
+    /// Only while work is outstanding: an idle connection has no use for paths.
+    fn path_timer_deadline(&self) -> Option<Micros> {
+        self.work_since?;
+        let probe_wait = self.ctl_rtt.rto_us();
+        self.paths
+            .iter()
+            .filter(|p| p.health == PathHealth::Dead)
+            .filter_map(|p| match p.probe {
+                Probe::Idle => Some(p.dead_since.saturating_add(self.cfg.path_revive_us)),
+                Probe::Sent(at) => Some(at.saturating_add(probe_wait)),
+                Probe::Due => None,
+            })
+            .min()
+    }
+
+    fn on_path_timers(&mut self, now: Micros) {
+        if self.work_since.is_none() {
+            return;
+        }
+        let probe_wait = self.ctl_rtt.rto_us();
+        for e in 0..self.cfg.n_paths {
+            let revive = self.cfg.path_revive_us;
+            let p = &mut self.paths[e as usize];
+            if p.health != PathHealth::Dead {
+                continue;
+            }
+            match p.probe {
+                Probe::Idle if p.dead_since.saturating_add(revive) <= now => {
+                    p.probe = Probe::Due;
+                    self.probes_due.push_back(e);
+                }
+                Probe::Sent(at) if at.saturating_add(probe_wait) <= now => {
+                    p.probe = Probe::Idle;
+                    p.dead_since = now;
+                }
+                _ => {}
+            }
+        }
+    }
+
+    /// Run every timer that expired by `now` (retransmission, delayed SACK, CTS, keepalive, path
+    /// probes, peer timeout). Calling it early is harmless.
+    pub fn handle_timeout(&mut self, now: Micros) {
+        let now = self.clock(now);
+        if !matches!(self.life, Life::Open) {
+            return;
+        }
+        if let Some((base, deadline)) = self.peer_deadline() {
+            if now >= deadline {
+                let silent_ms = (now - base) / 1000;
+                tracing::warn!(peer = self.peer_token, silent_ms, "peer timed out with requests outstanding");
+                self.die(MsgError::PeerTimeout { silent_ms });
+                return;
+            }
+        }
+        self.on_rto(now);
+        self.on_path_timers(now);
+        self.on_sack_timer(now);
+        self.on_cts_timers(now);
+        if self.keepalive_deadline().is_some_and(|d| d <= now) {
+            self.ping_due = true;
+            self.last_ping_at = Some(now);
+        }
+        self.update_work(now);
+    }
+
+    /// The next instant `handle_timeout` must run; `None` when nothing is pending (no work outstanding
+    /// and no timer armed). While work is outstanding this is never `None` (the peer timeout is armed).
+    pub fn poll_timeout(&self) -> Option<Micros> {
+        if !matches!(self.life, Life::Open) {
+            return None;
+        }
+        [
+            self.peer_deadline().map(|(_, d)| d),
+            self.keepalive_deadline(),
+            self.rto_deadline(),
+            self.path_timer_deadline(),
+            self.sack_deadline(),
+            self.cts_deadline(),
+        ]
+        .into_iter()
+        .flatten()
+        .min()
+    }
+
+    /// The next datagram to send, written into `out` (which should hold `max_payload +
+    /// wire::MAX_HEADER_LEN` bytes). Call until it returns `None`. Control goes first, then
+    /// retransmissions, then new data within the window.
+    pub fn poll_transmit(&mut self, now: Micros, src: &mut dyn PayloadSource, out: &mut [u8]) -> Option<Transmit> {
+        let now = self.clock(now);
+        match self.life {
+            Life::Open => {}
+            Life::Closed { close_due: true, .. } => {
+                let t = self.emit_control(ControlKind::Close, None, out)?;
+                self.life = Life::Closed { close_due: false, last_close_at: Some(now) };
+                return Some(t);
+            }
+            Life::Closed { .. } | Life::Dead(_) => return None,
+        }
+        if let Some(t) = self.poll_sack(out) {
+            return Some(t);
+        }
+        if let Some((entropy, ts)) = self.pong_due {
+            let t = self.emit_control(ControlKind::Pong, Some((entropy % self.cfg.n_paths, entropy, ts)), out)?;
+            self.pong_due = None;
+            return Some(t);
+        }
+        while let Some(&e) = self.probes_due.front() {
+            if self.paths[e as usize].probe != Probe::Due {
+                self.probes_due.pop_front();
+                continue;
+            }
+            let t = self.emit_control(ControlKind::Ping, Some((e, e, now as u32)), out)?;
+            self.probes_due.pop_front();
+            self.paths[e as usize].probe = Probe::Sent(now);
+            self.stats.paths[e as usize].probes_sent += 1;
+            return Some(t);
+        }
+        if self.ping_due {
+            let e = self.ctl_entropy();
+            let t = self.emit_control(ControlKind::Ping, Some((e, e, now as u32)), out)?;
+            self.ping_due = false;
+            self.stats.keepalives_sent += 1;
+            return Some(t);
+        }
+        if let Some(t) = self.poll_cts(now, out) {
+            return Some(t);
+        }
+        if let Some(t) = self.poll_data(now, src, out) {
+            return Some(t);
+        }
+        if self.tx.ack_pending {
+            let t = self.emit_control(ControlKind::Ack, None, out)?;
+            self.tx.ack_pending = false;
+            return Some(t);
+        }
+        None
+    }
+
+    /// Write a CONTROL packet; `route` is (path to send on, entropy field, timestamp field).
+    fn emit_control(&mut self, kind: ControlKind, route: Option<(u16, u16, u32)>, out: &mut [u8]) -> Option<Transmit> {
+        let (path, entropy, ts_us) = match route {
+            Some(r) => r,
+            None => {
+                let e = self.ctl_entropy();
+                (e, e, 0)
+            }
+        };
+        let repr = ControlRepr { token: self.peer_token, cts_ack: self.tx.cts_next, kind, entropy, ts_us, cum_psn: self.rx.window.cum() };
+        if out.len() < repr.buffer_len() {
+            tracing::warn!(buffer = out.len(), need = repr.buffer_len(), "transmit buffer too small for a control packet");
+            return None;
+        }
+        repr.emit(&mut ControlPacket::new_unchecked(&mut out[..repr.buffer_len()]));
+        self.stats.control_sent += 1;
+        self.tx.ack_pending = false;
+        Some(Transmit { entropy: path, len: repr.buffer_len() })
+    }
+
+    /// Round-robin over the paths that are not dead, so control traffic is not stuck on a broken one.
+    pub(super) fn ctl_entropy(&mut self) -> u16 {
+        let n = self.cfg.n_paths;
+        for _ in 0..n {
+            let e = self.ctl_rr % n;
+            self.ctl_rr = (e + 1) % n;
+            if self.paths[e as usize].usable() {
+                return e;
+            }
+        }
+        let e = self.ctl_rr % n;
+        self.ctl_rr = (e + 1) % n;
+        e
+    }
+
+    /// The next finished request, if any.
+    pub fn poll_completion(&mut self) -> Option<Completion> {
+        self.completions.pop_front()
+    }
+
+    /// Close this end: a CLOSE goes to the peer, outstanding requests fail `Closed`, later posts fail.
+    pub fn close(&mut self, now: Micros) {
+        self.clock(now);
+        if matches!(self.life, Life::Open) {
+            self.die(MsgError::Closed);
+        }
+    }
+
+    /// Counters (serializable).
+    pub fn stats(&self) -> &ConnStats {
+        &self.stats
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use prism_lb::path::Spray;
+
+    fn conn() -> Connection {
+        Connection::new(ProtoConfig::default(), 1, 2, Box::new(Spray::new(3)), 1_000)
+    }
+
+    #[test]
+    fn connection_can_move_to_another_thread() {
+        fn is_send<T: Send>() {}
+        is_send::<Connection>();
+    }
+
+    #[test]
+    fn idle_connection_arms_no_timer_and_sends_nothing() {
+        struct NoPayload;
+        impl PayloadSource for NoPayload {
+            fn read(&mut self, _: MsgId, _: u64, _: &mut [u8]) {
+                panic!("nothing to read")
+            }
+        }
+        let mut c = conn();
+        assert_eq!(c.poll_timeout(), None);
+        assert_eq!(c.poll_transmit(2_000, &mut NoPayload, &mut [0u8; 256]), None);
+    }
+
+    #[test]
+    fn outstanding_work_always_arms_the_peer_timeout() {
+        let mut c = conn();
+        c.post_send(10, 0, 5_000).unwrap();
+        let peer_deadline = 5_000 + ProtoConfig::default().peer_timeout_us;
+        assert!(c.poll_timeout().is_some_and(|t| t <= peer_deadline));
+        c.handle_timeout(peer_deadline);
+        assert!(matches!(c.poll_completion(), Some(Completion::Failed { error: MsgError::PeerTimeout { silent_ms: 10_000 }, .. })));
+        assert_eq!(c.poll_timeout(), None);
+    }
+}

@@ -1,0 +1,79 @@
+//! What the sender knows about one path (entropy): RTT and RTO, packets in flight, health.
+
+use std::collections::VecDeque;
+
+use super::rtt::RttEstimator;
+use super::stats::PathHealth;
+use super::Micros;
+
+/// One transmission (first copy or retransmission) of a PSN on a path.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct TxEntry {
+    pub(crate) tx_seq: u64,
+    pub(crate) psn: u64,
+    pub(crate) sent_at: Micros,
+}
+
+/// Probing of a dead path.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Probe {
+    /// Not probing (alive, or dead and waiting for `path_revive_us`).
+    Idle,
+    /// A probe PING should go out on this path.
+    Due,
+    /// A probe PING went out at this time; a PONG revives the path.
+    Sent(Micros),
+}
+
+#[derive(Debug, Clone)]
+pub(crate) struct Path {
+    pub(crate) rtt: RttEstimator,
+    pub(crate) in_flight: u32,
+    /// Transmissions on this path in sending order. Entries whose packet was since acknowledged, lost or
+    /// resent are removed lazily, but the front is always a packet still in flight on this path, so it
+    /// is the one whose RTO expires first.
+    pub(crate) queue: VecDeque<TxEntry>,
+    pub(crate) health: PathHealth,
+    pub(crate) consecutive_timeouts: u32,
+    /// Losses (by reordering or timeout) since the path last delivered a packet sent after them.
+    pub(crate) consecutive_losses: u32,
+    pub(crate) last_loss_tx_seq: u64,
+    /// Transmissions from this one on were sent after the last timeout; acknowledgements of older
+    /// ones do not prove the path works now.
+    pub(crate) timeout_tx_seq: Option<u64>,
+    pub(crate) dead_since: Micros,
+    pub(crate) probe: Probe,
+    /// Largest RTT since the last timeout and smallest ever: a policy compares them to tell a failure
+    /// (low RTT, then silence) from congestion (rising RTT).
+    pub(crate) max_rtt_since_timeout_us: u32,
+    pub(crate) base_rtt_us: Option<u32>,
+}
+
+impl Path {
+    pub(crate) fn new(rtt: RttEstimator) -> Self {
+        Self {
+            rtt,
+            in_flight: 0,
+            queue: VecDeque::new(),
+            health: PathHealth::Alive,
+            consecutive_timeouts: 0,
+            consecutive_losses: 0,
+            last_loss_tx_seq: 0,
+            timeout_tx_seq: None,
+            dead_since: 0,
+            probe: Probe::Idle,
+            max_rtt_since_timeout_us: 0,
+            base_rtt_us: None,
+        }
+    }
+
+    /// New packets may use this path.
+    pub(crate) fn usable(&self) -> bool {
+        self.health != PathHealth::Dead
+    }
+
+    /// When this path's oldest packet in flight times out.
+    pub(crate) fn rto_deadline(&self) -> Option<Micros> {
+        self.queue.front().map(|f| f.sent_at.saturating_add(self.rtt.rto_us()))
+    }
+}

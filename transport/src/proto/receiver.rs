@@ -1,0 +1,347 @@
+//! The receiving half of a connection: grouped receives and their (reliable) CTS, DATA validation and
+//! placement, the out-of-order window and SACK generation.
+
+use std::collections::VecDeque;
+
+use super::connection::Connection;
+use super::window::{Arrival, PsnWindow};
+use super::{Completion, Micros, MsgError, MsgId, Placer, RecvSpec, Transmit};
+use crate::wire::{CtsBuf, CtsPacket, CtsRepr, DataRepr, SackPacket, SackRepr, MAX_RECV_BUFS};
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum SubEnd {
+    Open,
+    Done,
+    Truncated { send_len: u64 },
+}
+
+/// One buffer of a grouped receive.
+#[derive(Debug, Clone, Copy)]
+struct RecvSub {
+    spec: RecvSpec,
+    /// Length of the send that matched this buffer, learnt from its first packet.
+    total: Option<u64>,
+    received: u64,
+    end: SubEnd,
+}
+
+/// A posted grouped receive and the state of its CTS.
+#[derive(Debug, Clone)]
+struct RecvGroup {
+    id: MsgId,
+    seq: u64,
+    subs: Vec<RecvSub>,
+    cts_sent_at: Option<Micros>,
+    cts_retries: u32,
+    cts_queued: bool,
+}
+
+#[derive(Debug)]
+pub(crate) struct RxState {
+    next_cts_seq: u64,
+    /// Outstanding grouped receives in CTS order.
+    groups: VecDeque<RecvGroup>,
+    /// Every CTS below this was acknowledged by the peer.
+    cts_acked: u64,
+    /// CTS to send (first copies and retransmissions).
+    cts_queue: VecDeque<u64>,
+    pub(crate) window: PsnWindow,
+    sack_due: bool,
+    sack_deadline: Option<Micros>,
+    unsacked: u32,
+    /// PSN, entropy and timestamp of the latest DATA packet, echoed by the next SACK.
+    trigger: Option<(u64, u16, u32)>,
+    congested: bool,
+    /// The trigger was a retransmission of a packet that had arrived.
+    spurious: bool,
+}
+
+impl RxState {
+    pub(crate) fn new() -> Self {
+        Self {
+            next_cts_seq: 0,
+            groups: VecDeque::new(),
+            cts_acked: 0,
+            cts_queue: VecDeque::new(),
+            window: PsnWindow::new(),
+            sack_due: false,
+            sack_deadline: None,
+            unsacked: 0,
+            trigger: None,
+            congested: false,
+            spurious: false,
+        }
+    }
+
+    /// Grouped receives posted and not completed.
+    pub(crate) fn open_recvs(&self) -> usize {
+        self.groups.len()
+    }
+
+    /// Forget outstanding receives (the connection died); returns their ids.
+    pub(crate) fn abandon(&mut self) -> Vec<MsgId> {
+        self.cts_queue.clear();
+        self.sack_due = false;
+        self.sack_deadline = None;
+        self.groups.drain(..).map(|g| g.id).collect()
+    }
+
+    /// Every sequence number a CTS went out with is below this.
+    pub(crate) fn next_cts_seq(&self) -> u64 {
+        self.next_cts_seq
+    }
+
+    fn group_index(&self, seq: u64) -> Option<usize> {
+        self.groups.binary_search_by_key(&seq, |g| g.seq).ok()
+    }
+}
+
+impl Connection {
+    /// Register a grouped receive and queue its CTS.
+    pub(super) fn queue_recv(&mut self, id: MsgId, bufs: &[RecvSpec]) {
+        let rx = &mut self.rx;
+        let seq = rx.next_cts_seq;
+        rx.next_cts_seq += 1;
+        let subs = bufs.iter().map(|&spec| RecvSub { spec, total: None, received: 0, end: SubEnd::Open }).collect();
+        rx.groups.push_back(RecvGroup { id, seq, subs, cts_sent_at: None, cts_retries: 0, cts_queued: true });
+        rx.cts_queue.push_back(seq);
+    }
+
+    /// The peer acknowledged every CTS below `ack` (from any packet's header). Takes RTT samples from
+    /// CTS that were sent once (Karn's rule). The caller checked `ack <= next_cts_seq`.
+    pub(super) fn on_cts_ack(&mut self, ack: u64, now: Micros) {
+        let rx = &mut self.rx;
+        if ack <= rx.cts_acked {
+            return;
+        }
+        for g in rx.groups.iter().filter(|g| g.seq >= rx.cts_acked && g.seq < ack) {
+            if let (0, Some(at)) = (g.cts_retries, g.cts_sent_at) {
+                self.ctl_rtt.sample(now.saturating_sub(at));
+            }
+        }
+        rx.cts_acked = ack;
+    }
+
+    /// Earliest CTS retransmission.
+    pub(super) fn cts_deadline(&self) -> Option<Micros> {
+        let rto = self.ctl_rtt.rto_us();
+        self.rx
+            .groups
+            .iter()
+            .filter(|g| g.seq >= self.rx.cts_acked && !g.cts_queued)
+            .filter_map(|g| g.cts_sent_at.map(|at| at.saturating_add(self.cts_backoff(rto, g.cts_retries))))
+            .min()
+    }
+
+    fn cts_backoff(&self, rto: u64, retries: u32) -> u64 {
+        rto.saturating_mul(1 << retries.min(16)).min(self.cfg.rto_max_us)
+    }
+
+    /// Queue every CTS whose timer expired for retransmission.
+    pub(super) fn on_cts_timers(&mut self, now: Micros) {
+        let rto = self.ctl_rtt.rto_us();
+        for i in 0..self.rx.groups.len() {
+            let g = &self.rx.groups[i];
+            let expired = g.seq >= self.rx.cts_acked
+                && !g.cts_queued
+                && g.cts_sent_at.is_some_and(|at| at.saturating_add(self.cts_backoff(rto, g.cts_retries)) <= now);
+            if expired {
+                let g = &mut self.rx.groups[i];
+                g.cts_queued = true;
+                self.rx.cts_queue.push_back(g.seq);
+            }
+        }
+    }
+
+    /// The next CTS to send, if any.
+    pub(super) fn poll_cts(&mut self, now: Micros, out: &mut [u8]) -> Option<Transmit> {
+        let gi = loop {
+            let &seq = self.rx.cts_queue.front()?;
+            match self.rx.group_index(seq) {
+                Some(i) if seq >= self.rx.cts_acked => break i,
+                Some(i) => {
+                    self.rx.groups[i].cts_queued = false;
+                    self.rx.cts_queue.pop_front();
+                }
+                None => {
+                    self.rx.cts_queue.pop_front();
+                }
+            }
+        };
+        let g = &self.rx.groups[gi];
+        let mut bufs = [CtsBuf::default(); MAX_RECV_BUFS];
+        for (b, s) in bufs.iter_mut().zip(&g.subs) {
+            *b = CtsBuf { size: s.spec.len, tag: s.spec.tag };
+        }
+        let repr = CtsRepr::new(self.peer_token, self.tx.cts_next, g.seq, &bufs[..g.subs.len()]).ok()?;
+        if out.len() < repr.buffer_len() {
+            tracing::warn!(buffer = out.len(), need = repr.buffer_len(), "transmit buffer too small for a CTS");
+            return None;
+        }
+        repr.emit(&mut CtsPacket::new_unchecked(&mut out[..repr.buffer_len()]));
+        let g = &mut self.rx.groups[gi];
+        if g.cts_sent_at.is_some() {
+            g.cts_retries += 1;
+            self.stats.cts_retransmitted += 1;
+        } else {
+            self.stats.cts_sent += 1;
+        }
+        g.cts_sent_at = Some(now);
+        g.cts_queued = false;
+        self.rx.cts_queue.pop_front();
+        self.tx.ack_pending = false;
+        let entropy = self.ctl_entropy();
+        Some(Transmit { entropy, len: repr.buffer_len() })
+    }
+
+    /// A checked DATA packet arrived: dedup by PSN, validate against the posted buffer, place, ack.
+    pub(super) fn on_data(&mut self, d: &DataRepr, payload: &[u8], now: Micros, placer: &mut dyn Placer) {
+        self.stats.data_pkts_received += 1;
+        match self.rx.window.classify(d.psn) {
+            Arrival::Duplicate => {
+                self.stats.duplicates += 1;
+                // The sender resent something we have: its view is stale, so tell it now, and tell it
+                // the resend was needless (its reorder threshold is too tight) unless the network
+                // merely duplicated an original.
+                self.rx.trigger = Some((d.psn, d.entropy, d.ts_us));
+                self.rx.spurious = d.retx;
+                self.rx.sack_due = true;
+                return;
+            }
+            Arrival::BeyondWindow => {
+                self.stats.dropped.beyond_window += 1;
+                self.rx.sack_due = true;
+                return;
+            }
+            Arrival::New => {}
+        }
+        if !self.accept_data(d, payload, placer) {
+            return;
+        }
+        let end_before = self.rx.window.end();
+        self.rx.window.insert(d.psn);
+        let rx = &mut self.rx;
+        rx.trigger = Some((d.psn, d.entropy, d.ts_us));
+        rx.spurious = false;
+        rx.congested |= d.ce;
+        rx.unsacked += 1;
+        // A new hole or a filled one changes what the sender must retransmit: report at once.
+        let reordered = d.psn != end_before;
+        if reordered || rx.unsacked >= self.cfg.sack_every_pkts {
+            rx.sack_due = true;
+        } else if rx.sack_deadline.is_none() {
+            rx.sack_deadline = Some(now.saturating_add(self.cfg.sack_delay_us));
+        }
+    }
+
+    /// Validate a new DATA packet against its receive and place its payload. False: dropped and
+    /// counted, PSN not marked (a correct sender never sends such a packet).
+    fn accept_data(&mut self, d: &DataRepr, payload: &[u8], placer: &mut dyn Placer) -> bool {
+        let Some(gi) = self.rx.group_index(d.cts_seq) else {
+            self.stats.dropped.unknown_msg += 1;
+            tracing::debug!(cts_seq = d.cts_seq, psn = d.psn, "DATA for a receive that is not outstanding");
+            return false;
+        };
+        let group = &mut self.rx.groups[gi];
+        let Some(sub) = group.subs.get_mut(d.sub as usize) else {
+            self.stats.dropped.bad_offset_len += 1;
+            return false;
+        };
+        if sub.end != SubEnd::Open {
+            self.stats.dropped.unknown_msg += 1;
+            return false;
+        }
+        let size = sub.spec.len;
+        if d.trunc {
+            if d.total_len <= size {
+                self.stats.dropped.malformed += 1;
+                return false;
+            }
+            sub.end = SubEnd::Truncated { send_len: d.total_len };
+        } else {
+            let end = d.offset + u64::from(d.len);
+            let consistent = sub.total.unwrap_or(d.total_len) == d.total_len;
+            let fits = d.total_len <= size && end <= d.total_len && sub.received + u64::from(d.len) <= d.total_len;
+            if !consistent || !fits || payload.len() != d.len as usize {
+                self.stats.dropped.bad_offset_len += 1;
+                tracing::debug!(offset = d.offset, len = d.len, total = d.total_len, posted = size, "DATA outside the posted buffer");
+                return false;
+            }
+            if !payload.is_empty() {
+                placer.place(group.id, d.sub as usize, d.offset, payload);
+            }
+            self.stats.data_bytes_placed += u64::from(d.len);
+            sub.total = Some(d.total_len);
+            sub.received += u64::from(d.len);
+            if sub.received == d.total_len {
+                sub.end = SubEnd::Done;
+            }
+        }
+        if sub.end != SubEnd::Open && group.subs.iter().all(|s| s.end != SubEnd::Open) {
+            let group = self.rx.groups.remove(gi).expect("index from group_index");
+            let truncated = group.subs.iter().find_map(|s| match s.end {
+                SubEnd::Truncated { send_len } => Some(MsgError::Truncated { send_len, recv_len: s.spec.len }),
+                _ => None,
+            });
+            self.completions.push_back(match truncated {
+                Some(error) => Completion::Failed { msg: group.id, error },
+                None => Completion::Received { msg: group.id, sizes: group.subs.iter().map(|s| s.total.unwrap_or(0)).collect() },
+            });
+        }
+        true
+    }
+
+    /// When the delayed SACK is due.
+    pub(super) fn sack_deadline(&self) -> Option<Micros> {
+        self.rx.sack_deadline
+    }
+
+    /// The delayed-SACK timer.
+    pub(super) fn on_sack_timer(&mut self, now: Micros) {
+        if self.rx.sack_deadline.is_some_and(|d| d <= now) {
+            self.rx.sack_due = true;
+            self.rx.sack_deadline = None;
+        }
+    }
+
+    /// The SACK, if one is due.
+    pub(super) fn poll_sack(&mut self, out: &mut [u8]) -> Option<Transmit> {
+        let rx = &mut self.rx;
+        if !rx.sack_due {
+            return None;
+        }
+        let (trigger_psn, echo) = match rx.trigger {
+            Some((psn, entropy, ts)) => (psn, Some((entropy, ts))),
+            None => (rx.window.cum(), None),
+        };
+        let (base_psn, bitmap) = rx.window.sack_bitmap(trigger_psn);
+        let repr = SackRepr {
+            token: self.peer_token,
+            cts_ack: self.tx.cts_next,
+            cum_psn: rx.window.cum(),
+            base_psn,
+            bitmap,
+            echo,
+            congested: rx.congested,
+            spurious: rx.spurious,
+        };
+        if out.len() < repr.buffer_len() {
+            tracing::warn!(buffer = out.len(), need = repr.buffer_len(), "transmit buffer too small for a SACK");
+            return None;
+        }
+        repr.emit(&mut SackPacket::new_unchecked(&mut out[..repr.buffer_len()]));
+        rx.sack_due = false;
+        rx.sack_deadline = None;
+        rx.unsacked = 0;
+        rx.congested = false;
+        rx.spurious = false;
+        self.stats.sacks_sent += 1;
+        self.tx.ack_pending = false;
+        // The triggering packet came in on its entropy, so that path works; answer along it.
+        let entropy = match echo {
+            Some((e, _)) => e % self.cfg.n_paths,
+            None => self.ctl_entropy(),
+        };
+        Some(Transmit { entropy, len: repr.buffer_len() })
+    }
+}
