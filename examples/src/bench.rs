@@ -206,8 +206,20 @@ pub fn run_sweep(
 
 /// Runs this process as `rank` of `nranks`; returns whether every check passed (rank 0 knows; the
 /// others return true unless they failed).
+/// Where rank `rank` asks the plugin to write its statistics when `--json FILE` is given.
+pub fn stats_path(json: &std::path::Path, rank: usize) -> String {
+    format!("{}.rank{rank}.stats.json", json.display())
+}
+
 pub fn run_rank(args: &Args, rank: usize, nranks: usize) -> Result<bool> {
     let timeout = Duration::from_secs(args.timeout_s);
+    if let Some(json) = &args.json {
+        // Ask the plugin for its statistics (PRISM_STATS) unless the user chose a file already; this
+        // happens before the plugin is loaded, while the process has no other thread.
+        if std::env::var_os("PRISM_STATS").is_none() {
+            std::env::set_var("PRISM_STATS", stats_path(json, rank));
+        }
+    }
     let mut rv = if nranks == 1 {
         Rendezvous::single()
     } else if rank == 0 {
@@ -357,7 +369,16 @@ fn run_connected(args: &Args, rv: &mut Rendezvous) -> Result<bool> {
             out_of_bounds: report::out_of_bounds(&rows),
             avg_busbw: report::avg_busbw(&rows),
             results: rows.clone(),
-            stats_file: std::env::var("PRISM_STATS").ok().filter(|s| !s.is_empty()),
+            stats_files: match std::env::var("PRISM_STATS") {
+                Ok(p) if p == stats_path(path, 0) => (0..nranks).map(|r| stats_path(path, r)).collect(),
+                Ok(p) if !p.is_empty() => vec![p],
+                _ => Vec::new(),
+            },
+            // This rank's plugin wrote its file when the comms closed (v11/v12 finalize).
+            stats: std::env::var("PRISM_STATS")
+                .ok()
+                .and_then(|p| std::fs::read_to_string(p.replace("%p", &std::process::id().to_string())).ok())
+                .and_then(|t| serde_json::from_str(&t).ok()),
         };
         let text = serde_json::to_string_pretty(&doc)?;
         std::fs::write(path, text + "\n").with_context(|| format!("writing {}", path.display()))?;

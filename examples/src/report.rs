@@ -216,9 +216,11 @@ pub struct JsonReport {
     pub out_of_bounds: usize,
     /// Mean busbw over sizes, GB/s.
     pub avg_busbw: f64,
-    /// `$PRISM_STATS`, where the plugin writes its counters, when set.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub stats_file: Option<String>,
+    /// Where each rank's plugin wrote its counters (`PRISM_STATS`; set per rank by `--json`).
+    pub stats_files: Vec<String>,
+    /// Rank 0's plugin statistics (per comm, per path: bytes, packets, retransmissions, RTT), when
+    /// the plugin wrote them before this file (ABI v11/v12 write them at finalize).
+    pub stats: Option<serde_json::Value>,
 }
 
 /// The plugin part of the JSON file.

@@ -792,3 +792,48 @@ fn post_late(sim: &mut Sim, recv_at: Micros) -> Posted {
     sim.run_until(recv_at + 10_000_000, |s| s.completed(A) > a && s.completed(B) > b);
     Posted { recvs: vec![(recv, vec![m(MIB, MIB, 42)], vec![1000])], sends: vec![(send, MIB)] }
 }
+
+thread_local! {
+    /// Paths the policy was told are dead, in this test thread.
+    static DEAD_REPORTS: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
+}
+
+/// Spraying that counts the "path dead" reports it receives.
+struct CountingSpray(Spray);
+
+impl PathPolicy for CountingSpray {
+    fn name(&self) -> &'static str {
+        "counting-spray"
+    }
+    fn pick(&mut self, ctx: &prism_lb::PathCtx) -> u16 {
+        self.0.pick(ctx)
+    }
+    fn feedback(&mut self, fb: &prism_lb::Feedback) {
+        if matches!(fb, prism_lb::Feedback::PathState { alive: false, .. }) {
+            DEAD_REPORTS.with(|c| c.set(c.get() + 1));
+        }
+    }
+}
+
+#[test]
+fn a_stalled_receiver_does_not_get_paths_declared_dead() {
+    // The receiver stops for 300 ms (a descheduled process: everything sent to it meanwhile is lost)
+    // and comes back. Every path timed out at once with nothing heard from the peer: that is a stall,
+    // not sixteen broken paths, so no path may be declared dead.
+    seeded(21, |seed| {
+        DEAD_REPORTS.with(|c| c.set(0));
+        let cfg = ProtoConfig::default();
+        let mut sim = Sim::with_policy(seed, &cfg, [Link::default(), Link::default()], |s| Box::new(CountingSpray(Spray::new(s))));
+        let posted = post(&mut sim, &mix());
+        sim.run_until(60_000_000, |s| s.stats(B).data_bytes_placed > MIB);
+        sim.ends[B].silent = true;
+        let resume = sim.now + 300_000;
+        sim.run_until(resume + 1_000_000, |s| s.now >= resume);
+        assert!(sim.stats(A).timeouts > 0, "the stall must have fired timers");
+        sim.ends[B].silent = false;
+        sim.run_until(120_000_000, |s| all_done(s, &posted));
+        verify(&sim, &posted);
+        let dead = DEAD_REPORTS.with(|c| c.get());
+        assert_eq!(dead, 0, "{dead} paths were declared dead because of a stall");
+    });
+}

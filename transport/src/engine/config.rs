@@ -40,7 +40,7 @@ impl Default for TransportConfig {
             window_pkts: 512,
             peer_timeout_ms: 10_000,
             connect_timeout_ms: 120_000,
-            rto_min_us: 2_000,
+            rto_min_us: 5_000,
             sockbuf: 8 << 20,
             seed: 0,
             host: None,

@@ -73,7 +73,7 @@ pub struct Connection {
     life: Life,
     /// Latest time seen; the caller's clock is taken as monotonic even if it is not.
     now: Micros,
-    last_heard: Micros,
+    pub(super) last_heard: Micros,
     /// Since when requests have been outstanding (silence before that does not count).
     work_since: Option<Micros>,
     last_ping_at: Option<Micros>,
@@ -226,6 +226,7 @@ impl Connection {
             return;
         }
         self.last_heard = now;
+        self.tx.peer_heard(now);
         self.on_cts_ack(parsed.cts_ack(), now);
         match parsed {
             Parsed::Data(d) => {

@@ -105,6 +105,12 @@ pub(crate) struct TxState {
     tx_order: VecDeque<(u64, u64)>,
     /// One past the highest transmission sequence number acknowledged.
     acked_tx_end: u64,
+    /// Send time of the newest transmission known to have arrived.
+    acked_sent_at: Micros,
+    /// A timeout fired while the peer was silent: a stall is going on.
+    stalled: bool,
+    /// Losses of packets sent before this instant (the end of the last stall) blame no path.
+    exempt_before: Micros,
     retx_queue: VecDeque<u64>,
     in_flight: u32,
     sends: VecDeque<SendMsg>,
@@ -120,6 +126,14 @@ pub(crate) struct TxState {
 }
 
 impl TxState {
+    /// The peer was heard: a stall, if one was going on, ends now, and what was sent during it is
+    /// not held against any path.
+    pub(crate) fn peer_heard(&mut self, now: Micros) {
+        if std::mem::take(&mut self.stalled) {
+            self.exempt_before = now;
+        }
+    }
+
     pub(crate) fn new(reorder_threshold: u32) -> Self {
         Self {
             next_psn: 0,
@@ -128,6 +142,9 @@ impl TxState {
             next_tx_seq: 0,
             tx_order: VecDeque::new(),
             acked_tx_end: 0,
+            acked_sent_at: 0,
+            stalled: false,
+            exempt_before: 0,
             retx_queue: VecDeque::new(),
             in_flight: 0,
             sends: VecDeque::new(),
@@ -337,6 +354,7 @@ impl Connection {
         let known_copy = !rec.resent || exact.is_some();
         if known_copy {
             tx.acked_tx_end = tx.acked_tx_end.max(rec.tx_seq + 1);
+            tx.acked_sent_at = tx.acked_sent_at.max(rec.sent_at);
         }
         let (rtt_us, congested) = match exact {
             Some(e) => (e.rtt_us, e.congested),
@@ -396,14 +414,18 @@ impl Connection {
         let rec = &mut tx.ring[(psn - tx.snd_una) as usize];
         debug_assert_eq!(rec.state, PktState::InFlight);
         rec.state = PktState::Lost;
-        let (entropy, tx_seq) = (rec.entropy, rec.tx_seq);
+        let (entropy, tx_seq, sent_at) = (rec.entropy, rec.tx_seq, rec.sent_at);
         tx.in_flight -= 1;
+        // Overtaken by packets sent much later (more than an RTO after it) means nothing sent around
+        // the same time got through on any path: a stall of the peer or of this host, not this path.
+        let path_rto = self.paths[entropy as usize].rtt.rto_us();
+        let blame = sent_at >= tx.exempt_before && tx.acked_sent_at <= sent_at.saturating_add(path_rto);
         tx.retx_queue.push_back(psn);
         let path = &mut self.paths[entropy as usize];
         path.in_flight -= 1;
         // One timeout writes off every expired packet of its path at once; it counts once, in
         // `path_timeout`, so a lost tail SACK does not look like a run of losses.
-        if cause == LossCause::Reorder {
+        if cause == LossCause::Reorder && blame {
             path.consecutive_losses += 1;
         }
         path.last_loss_tx_seq = path.last_loss_tx_seq.max(tx_seq);
@@ -516,8 +538,8 @@ impl Connection {
                 _ => continue,
             }
             any = true;
-            let front_tx_seq = self.paths[e as usize].queue.front().map_or(0, |f| f.tx_seq);
-            self.path_timeout(e, front_tx_seq, now);
+            let (front_tx_seq, front_sent_at) = self.paths[e as usize].queue.front().map_or((0, 0), |f| (f.tx_seq, f.sent_at));
+            self.path_timeout(e, front_tx_seq, front_sent_at, now);
             let dead = self.paths[e as usize].health == PathHealth::Dead;
             while let Some(&TxEntry { tx_seq, psn, sent_at }) = self.paths[e as usize].queue.front() {
                 if !self.tx.is_live(tx_seq, psn) {
@@ -539,11 +561,37 @@ impl Connection {
         self.flush_dead_paths(now);
     }
 
-    /// The RTO of the path's oldest packet in flight (transmission `tx_seq`) expired.
-    fn path_timeout(&mut self, entropy: u16, tx_seq: u64, now: Micros) {
+    /// The RTO of the path's oldest packet in flight (transmission `tx_seq`, sent at `sent_at`) expired.
+    ///
+    /// The path is blamed (suspect, then dead; the policy hears of it) only if a packet sent after
+    /// this one arrived: then other paths get through and this one does not. When nothing sent since
+    /// came back, the peer or this host stalled (a descheduled process, a full receive queue) and
+    /// every path would look dead at once; the packets are still resent, the timer backs off, what was
+    /// sent until the peer is heard again is not held against any path, and the peer timeout deals
+    /// with a peer that is really gone.
+    fn path_timeout(&mut self, entropy: u16, tx_seq: u64, sent_at: Micros, now: Micros) {
         self.stats.timeouts += 1;
+        // Blame the path when something sent after this packet arrived (other paths get through), or
+        // when no other path has packets of that age still waiting (this path is the only one stuck).
+        let rto = self.paths[entropy as usize].rtt.rto_us();
+        let others_stuck = (0..self.cfg.n_paths).filter(|&o| o != entropy).any(|o| {
+            self.paths[o as usize]
+                .queue
+                .front()
+                .is_some_and(|f| self.tx.is_live(f.tx_seq, f.psn) && f.sent_at <= sent_at.saturating_add(rto))
+        });
+        let blame = sent_at >= self.tx.exempt_before && (self.tx.acked_sent_at > sent_at || !others_stuck);
         let path = &mut self.paths[entropy as usize];
         path.rtt.on_timeout();
+        if !blame {
+            self.tx.stalled |= others_stuck;
+            self.stats.stall_timeouts += 1;
+            let ps = &mut self.stats.paths[entropy as usize];
+            ps.timeouts += 1;
+            ps.rto_us = path.rtt.rto_us();
+            tracing::debug!(entropy, "retransmission timeout while the peer was silent: not blamed on the path");
+            return;
+        }
         path.consecutive_timeouts += 1;
         path.consecutive_losses += 1;
         path.last_loss_tx_seq = path.last_loss_tx_seq.max(tx_seq);

@@ -133,6 +133,9 @@ pub struct ConnStats {
     pub spurious_retransmissions: u64,
     /// Retransmission timeouts (one per path per expiry).
     pub timeouts: u64,
+    /// Timeouts while nothing at all was heard from the peer since the packet left (a stall, not a
+    /// broken path): packets resent, path not blamed.
+    pub stall_timeouts: u64,
     /// Current reorder threshold (adaptive).
     pub reorder_threshold: u32,
     /// Valid DATA packets received (duplicates included).
