@@ -204,13 +204,13 @@ pub fn run_sweep(
     Ok(rows)
 }
 
-/// Runs this process as `rank` of `nranks`; returns whether every check passed (rank 0 knows; the
-/// others return true unless they failed).
 /// Where rank `rank` asks the plugin to write its statistics when `--json FILE` is given.
 pub fn stats_path(json: &std::path::Path, rank: usize) -> String {
     format!("{}.rank{rank}.stats.json", json.display())
 }
 
+/// Runs this process as `rank` of `nranks`; returns whether every check passed (rank 0 knows; the
+/// others return true unless they failed).
 pub fn run_rank(args: &Args, rank: usize, nranks: usize) -> Result<bool> {
     let timeout = Duration::from_secs(args.timeout_s);
     if let Some(json) = &args.json {

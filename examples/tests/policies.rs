@@ -140,3 +140,12 @@ fn split_policies_move_every_byte() {
         assert!(pkts_per_entropy(&stats).iter().sum::<u64>() > 1000, "{split}");
     }
 }
+
+#[test]
+fn mcc_rate_control_moves_every_byte_and_reports_its_window() {
+    let stats = run("mcc", &[("PRISM_CC", "mcc")], MANY_PACKETS);
+    let rate = &send_comm(&stats)["rate"];
+    assert_eq!(rate["controller"], "mcc", "{rate}");
+    let w = rate["window_pkts"].as_u64().unwrap();
+    assert!((1..=512).contains(&w), "window {w}");
+}

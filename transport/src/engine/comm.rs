@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use parking_lot::Mutex;
 
-use super::planned::{ChunkMap, Plans};
+use super::planned::{ChunkMap, Plans, SharedRate};
 use super::rail::{Datagram, Inbox};
 use super::net::NetInner;
 use super::{RecvBuf, ReqId, SendBuf, TransportError, MAX_RECVS};
@@ -34,6 +34,10 @@ pub(crate) struct CommCore {
     /// The NCCL device this comm was opened on.
     home: u16,
     plans: Plans,
+    /// `PRISM_CC`: sets the in-flight window from message and packet delays.
+    rate: SharedRate,
+    /// When each send was posted (for the rate controller's message delay).
+    posted_at: HashMap<MsgId, u64>,
     /// Bytes planned onto each rail (stats).
     rail_bytes: Vec<u64>,
     inbox: Arc<Inbox>,
@@ -94,6 +98,7 @@ impl CommCore {
         peer_host: u32,
         home: u16,
         plans: Plans,
+        rate: SharedRate,
         role: &'static str,
     ) -> Self {
         let inbox = Arc::new(Inbox::default());
@@ -111,6 +116,8 @@ impl CommCore {
             peer_host,
             home,
             plans,
+            rate,
+            posted_at: HashMap::new(),
             rail_bytes: vec![0; nrails],
             inbox,
             incoming: Vec::new(),
@@ -183,7 +190,13 @@ impl CommCore {
         self.transmit(now);
         while let Some(c) = self.conn.poll_completion() {
             let (msg, outcome) = match c {
-                Completion::Sent { msg, len } => (msg, Outcome::Sent(len)),
+                Completion::Sent { msg, len } => {
+                    if let Some(sent_us) = self.posted_at.remove(&msg) {
+                        let sample = prism_lb::MessageSample { bytes: len, sent_us, done_us: now };
+                        self.rate.lock().message_done(&sample);
+                    }
+                    (msg, Outcome::Sent(len))
+                }
                 Completion::Received { msg, sizes } => (msg, Outcome::Received(sizes)),
                 Completion::Failed { msg, error } => {
                     tracing::warn!(role = self.role, peer = %self.peer_rails[0], "request failed: {error}");
@@ -194,7 +207,19 @@ impl CommCore {
             self.sends.remove(&msg);
             self.recvs.remove(&msg);
             self.plans.lock().remove(&msg.0);
+            self.posted_at.remove(&msg);
             self.done.insert(msg, outcome);
+        }
+        self.apply_rate();
+    }
+
+    /// Turn the rate controller's byte window into proto's packet window (never above `PRISM_WINDOW`).
+    fn apply_rate(&mut self) {
+        let bytes = self.rate.lock().window_bytes();
+        let pkt = self.net.proto.max_payload.max(1) as u64;
+        let pkts = (bytes / pkt).clamp(1, u64::from(self.net.cfg.window_pkts)) as u32;
+        if pkts != self.conn.window_pkts() {
+            self.conn.set_window_pkts(pkts);
         }
     }
 
@@ -292,6 +317,7 @@ impl CommCore {
             "peer_host": self.peer_host,
             "paths_per_rail": self.net.cfg.paths,
             "planned_bytes_per_rail": self.rail_bytes,
+            "rate": { "controller": self.rate.lock().name(), "window_pkts": self.conn.window_pkts(), "state": self.rate.lock().describe_state() },
             "wrong_peer_dropped": self.wrong_peer,
             "conn": serde_json::to_value(self.conn.stats()).unwrap_or(serde_json::Value::Null),
         })
@@ -359,6 +385,7 @@ impl SendComm {
         match core.conn.post_send(buf.len() as u64, tag, now) {
             Ok(msg) => {
                 core.plan(msg, buf.len() as u64, now);
+                core.posted_at.insert(msg, now);
                 core.sends.insert(msg, buf);
                 core.owner_progress();
                 Ok(Some(core.new_req(msg)))

@@ -28,7 +28,7 @@ use rand::{RngCore, SeedableRng};
 use socket2::{Domain, Protocol, SockAddr, Socket, Type};
 
 use super::comm::{CommCore, RecvComm, SendComm, SharedCore};
-use super::planned::{PlannedPaths, Plans};
+use super::planned::{PlannedPaths, Plans, SharedRate};
 use super::progress::Progress;
 use super::rail::Rail;
 use super::{device, DeviceInfo, TransportConfig, TransportError, HANDLE_LEN};
@@ -91,8 +91,9 @@ impl NetInner {
         shared
     }
 
-    /// A protocol connection whose path policy follows the lb plans stored in `plans`.
-    fn connection(&self, local: u64, peer: u64, peer_host: u32, home: u16, plans: &Plans) -> Connection {
+    /// A protocol connection whose path policy follows the lb plans stored in `plans` and reports
+    /// to `rate`.
+    fn connection(&self, local: u64, peer: u64, peer_host: u32, home: u16, plans: &Plans, rate: &SharedRate) -> Connection {
         let seed = self.conn_seed();
         let policy = PlannedPaths::new(
             &self.lb_rt,
@@ -102,7 +103,8 @@ impl NetInner {
             home,
             seed,
             plans.clone(),
-        );
+        )
+        .with_rate(rate.clone());
         Connection::new(self.proto.clone(), local, peer, Box::new(policy), self.now_us())
     }
 
@@ -249,8 +251,12 @@ impl Net {
             n_paths: cfg.paths * rails.len() as u16,
             max_payload: min_dgram - wire::MAX_HEADER_LEN,
             window_pkts: cfg.window_pkts,
-            // A batch is reordered by up to its length when it is spread over the sockets.
-            reorder_threshold: ProtoConfig::default().reorder_threshold.max(BATCH as u32 + 32),
+            // A batch is reordered by up to its length when it is spread over the sockets; a small
+            // window (slow links) cannot have that many packets overtake a lost one, so stay below it.
+            reorder_threshold: ProtoConfig::default()
+                .reorder_threshold
+                .max(BATCH as u32 + 32)
+                .min((cfg.window_pkts / 2).max(3)),
             rto_min_us: cfg.rto_min_us,
             peer_timeout_us: cfg.peer_timeout_ms * 1000,
             ..ProtoConfig::default()
@@ -391,9 +397,10 @@ impl Net {
         }
         let home = pc.dev as u16;
         let plans = Plans::default();
-        let conn = self.inner.connection(pc.token, h.token, h.host, home, &plans);
+        let rate: SharedRate = Arc::new(Mutex::new(self.inner.lb_rt.rate_controller()));
+        let conn = self.inner.connection(pc.token, h.token, h.host, home, &plans, &rate);
         tracing::info!(rail = %self.inner.rails[pc.dev].info.name, peer = %h.rails[0], rails = h.rails.len(), "send comm connected");
-        let core = CommCore::new(self.inner.clone(), conn, pc.token, h.rails, h.host, home, plans, "send");
+        let core = CommCore::new(self.inner.clone(), conn, pc.token, h.rails, h.host, home, plans, rate, "send");
         Ok(SendComm::new(self.inner.adopt(core)))
     }
 
@@ -558,8 +565,9 @@ impl Listener {
             let reply = self.inner.hello(0, self.nonce, token);
             // Registered before the reply leaves, so the sender's first datagram finds its comm.
             let plans = Plans::default();
-            let conn = self.inner.connection(token, h.token, h.host, self.dev, &plans);
-            let core = CommCore::new(self.inner.clone(), conn, token, h.rails, h.host, self.dev, plans, "recv");
+            let rate: SharedRate = Arc::new(Mutex::new(self.inner.lb_rt.rate_controller()));
+            let conn = self.inner.connection(token, h.token, h.host, self.dev, &plans, &rate);
+            let core = CommCore::new(self.inner.clone(), conn, token, h.rails, h.host, self.dev, plans, rate, "recv");
             let comm = RecvComm::new(self.inner.adopt(core));
             p.reply = Some((reply, 0, comm));
         }

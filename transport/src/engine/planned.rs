@@ -10,7 +10,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use parking_lot::Mutex;
-use prism_lb::{Feedback, FlowInfo, LbRuntime, PathCtx, PathPolicy, Plan};
+use prism_lb::{Feedback, FlowInfo, LbRuntime, PathCtx, PathPolicy, Plan, RateController};
 
 /// A plan reduced to what a pick needs, sorted by offset.
 #[derive(Debug, Clone, Default)]
@@ -42,12 +42,16 @@ impl ChunkMap {
 /// Plans of the messages in flight on one comm, by proto message id.
 pub(crate) type Plans = Arc<Mutex<HashMap<u64, ChunkMap>>>;
 
+/// The comm's rate controller (`PRISM_CC`), fed by the path feedback and read by the engine.
+pub(crate) type SharedRate = Arc<Mutex<Box<dyn RateController>>>;
+
 /// One policy per rail, steered by the plans.
 pub(crate) struct PlannedPaths {
     paths: u16,
     home: u16,
     rails: Vec<Box<dyn PathPolicy>>,
     plans: Plans,
+    rate: Option<SharedRate>,
 }
 
 impl PlannedPaths {
@@ -56,7 +60,13 @@ impl PlannedPaths {
         let rails = (0..rails)
             .map(|rail| rt.path_policy(FlowInfo { dst_host, rail }, seed ^ (u64::from(rail) << 48)))
             .collect();
-        Self { paths, home, rails, plans }
+        Self { paths, home, rails, plans, rate: None }
+    }
+
+    /// Also report every feedback event to `rate` (packet delays for MCC).
+    pub fn with_rate(mut self, rate: SharedRate) -> Self {
+        self.rate = Some(rate);
+        self
     }
 
     fn split(&self, e: u16) -> (usize, u16) {
@@ -82,6 +92,9 @@ impl PathPolicy for PlannedPaths {
     }
 
     fn feedback(&mut self, fb: &Feedback) {
+        if let Some(rate) = &self.rate {
+            rate.lock().feedback(fb);
+        }
         let Some(entropy) = fb.entropy() else {
             // A timeout whose path is unknown concerns every rail.
             for p in &mut self.rails {

@@ -506,6 +506,16 @@ impl Connection {
     }
 
     /// Counters (serializable).
+    /// Change how many DATA packets may be in flight (a rate controller's window); at least 1.
+    pub fn set_window_pkts(&mut self, n: u32) {
+        self.cfg.window_pkts = n.max(1);
+    }
+
+    /// The current in-flight window, in DATA packets.
+    pub fn window_pkts(&self) -> u32 {
+        self.cfg.window_pkts
+    }
+
     pub fn stats(&self) -> &ConnStats {
         &self.stats
     }

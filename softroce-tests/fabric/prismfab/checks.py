@@ -1,0 +1,122 @@
+"""The issue's acceptance, judged on the runs of a scenario.
+
+* every run whose fault (if any) expects completion: every rank exited 0 and prism-perf found 0 wrong
+  elements (every byte verified on every host);
+* the balanced policies (spray, pro) spread the spine bytes within the tolerance of even;
+* the pinned policy (ecmp), on a workload with one spine flow per leaf, leaves each leaf's uplinks
+  uneven moment by moment (imbalance in 100 ms windows above the tolerance); the balanced policies'
+  figures on the same flows, the whole-run figures, and ecmp's on the many-flows workload are shown;
+* under each CCT fault (a black-holed spine path), every listed policy completes with CCT below
+  ratio x the fault-free run; the ratio and the time to recover are reported.
+"""
+
+from __future__ import annotations
+
+from .report import baseline_of, fmt_pct
+from .scenario import Scenario
+from .selftest import Check
+
+
+def find(runs: list[dict], wl: str, pol: str, fault: str | None = None) -> dict | None:
+    """The run of workload `wl` with policy `pol` (and fault `fault`)."""
+    for r in runs:
+        f = (r.get("fault") or {}).get("name")
+        if r["workload"]["name"] == wl and r["policy"]["name"] == pol and f == fault:
+            return r
+    return None
+
+
+def max_uplink_imbalance(r: dict) -> float | None:
+    """The most uneven leaf's spread of its spine-bound bytes over its uplinks, over the whole run (leaves
+    that sent next to nothing are left out)."""
+    vals = [v for v in (r["balance"].get("leaf_uplink_imbalance") or {}).values() if v is not None]
+    return max(vals) if vals else None
+
+
+def moment_imbalance(r: dict) -> float | None:
+    """The most uneven leaf's spread over its uplinks moment by moment (100 ms windows, byte-weighted)."""
+    return (r["balance"].get("windowed_uplink") or {}).get("max")
+
+
+def uplinks_text(r: dict) -> str:
+    """Each leaf's uplink bytes in MB, e.g. ``lf0 [12.1, 0.0] lf1 [0.0, 11.9]``."""
+    parts = []
+    for leaf, v in sorted((r["balance"].get("leaf_uplink_bytes") or {}).items()):
+        parts.append(f"lf{leaf} [" + ", ".join(f"{b / 1e6:.1f}" for b in v) + "] MB")
+    return " ".join(parts)
+
+
+def evaluate(scn: Scenario, runs: list[dict]) -> list[Check]:
+    """Every check of the scenario over its runs."""
+    checks: list[Check] = []
+    c = scn.checks
+    tol = c.balance_tolerance
+    for r in runs:
+        f = r.get("fault")
+        if f and f.get("expect") == "report":
+            continue
+        detail = "every rank exited 0, 0 wrong elements" if r["ok"] else "; ".join(r["errors"])[:400]
+        checks.append(Check(f"data.{r['label']}", bool(r["ok"]), detail))
+
+    wl = c.balance_workload
+    if wl and any(w.name == wl for w in scn.workloads):
+        others = {p: find(runs, wl, p) for p in [c.pinned_policy] if p}
+        ref = "; ".join(f"{p} on the same workload: {fmt_pct(r['balance']['spine_imbalance'])}"
+                        for p, r in others.items() if r)
+        for p in c.balanced_policies:
+            r = find(runs, wl, p)
+            if r is None:
+                checks.append(Check(f"balance.{p}", False, f"no run of {wl} with {p}"))
+                continue
+            b = r["balance"]
+            imb = b["spine_imbalance"]
+            ok = r["ok"] and imb is not None and imb <= tol
+            checks.append(Check(f"balance.{p}", ok,
+                                f"{wl}: bytes per spine {b['spine_bytes']} -> imbalance {fmt_pct(imb)} "
+                                f"(limit {fmt_pct(tol)})" + (f"; {ref}" if ref else ""),
+                                {"spine_imbalance": imb, "flow_imbalance": r["flows"]["mean_imbalance"]}))
+    p, fw = c.pinned_policy, c.pinned_workload
+    if p and fw and any(w.name == fw for w in scn.workloads):
+        r = find(runs, fw, p)
+        if r is None:
+            checks.append(Check(f"balance.{p}_few_flows", False, f"no run of {fw} with {p}"))
+        else:
+            imb = moment_imbalance(r)
+            shown = "; ".join(f"{q}: {fmt_pct(moment_imbalance(x))} (whole run {fmt_pct(max_uplink_imbalance(x))})"
+                              for q in c.balanced_policies if (x := find(runs, fw, q)))
+            ok = r["ok"] and imb is not None and imb > tol
+            checks.append(Check(f"balance.{p}_few_flows", ok,
+                                f"{fw}: {p} leaves each leaf's uplinks uneven moment by moment: imbalance "
+                                f"{fmt_pct(imb)} in 100 ms windows (must exceed {fmt_pct(tol)}); over the whole "
+                                f"run {uplinks_text(r)} = {fmt_pct(max_uplink_imbalance(r))}"
+                                + (f"; on the same flows {shown}" if shown else ""),
+                                {"moment_imbalance": imb, "run_imbalance": max_uplink_imbalance(r)}))
+
+    for fname in c.cct_faults:
+        fault = next((f for f in scn.faults if f.name == fname), None)
+        if fault is None:
+            continue
+        for p in fault.policies:
+            r = find(runs, fault.workload, p, fname)
+            if r is None:
+                checks.append(Check(f"fault.{fname}.{p}", False, "not run"))
+                continue
+            base = baseline_of(r, runs)
+            ratio = (r["cct_s"] / base["cct_s"]) if (base and base.get("cct_s") and r.get("cct_s")) else None
+            rec = r.get("recovery") or {}
+            ttr = rec.get("ttr_s")
+            ok = bool(r["ok"]) and ratio is not None and ratio < c.cct_ratio_max
+            rr = rec.get("reroute_s")
+            rec_txt = ((f"bulk off the dead path after {1000 * rr:.0f} ms" if rr is not None
+                        else "the bulk never left the dead path") + "; "
+                       + (f"last packet into it {1000 * ttr:.0f} ms after the fault" if rec.get("recovered") and ttr is not None
+                          else "packets entered it until the end")
+                       + (f"; from 0.5 s after the fault it still got {100 * rec['residual_share']:.0f} % of its "
+                          f"earlier rate" if rec.get("residual_share") is not None else "")) if rec else "no recovery data"
+            checks.append(Check(f"fault.{fname}.{p}", ok,
+                                f"{fault.workload} with {fault.kind} at {r.get('fault_at_s') or 0:.2f} s: data "
+                                f"{'verified' if r['ok'] else 'NOT verified'}, CCT {r.get('cct_s') or 0:.3f} s vs "
+                                f"{(base or {}).get('cct_s') or 0:.3f} s without = x{ratio if ratio is None else round(ratio, 2)} "
+                                f"(limit x{c.cct_ratio_max:g}); {rec_txt}",
+                                {"ratio": ratio, "recovery": rec}))
+    return checks

@@ -1,0 +1,140 @@
+"""Faults injected into a running fabric, and where each one's victims can be counted.
+
+* ``link_down``: the cable between leaf L and spine S is cut (both ports down, carrier lost). Leaf L stops
+  using S at once (its nexthop is marked dead); the other leaves cannot know, keep hashing traffic for
+  rail L onto S, and S drops it for want of a route (the kernel deleted S's route to L with the port).
+  Victims: spine S's ``InNoRoutes``.
+* ``blackhole``: the L-S link silently drops every IPv4 packet in both directions (nft netdev ingress drop
+  at both ends); carrier and ARP stay up, so no router notices. Victims: what L sends to S plus what S
+  sends to L (transmit counters of both ends).
+* ``loss``: every port of spine S drops ``loss_pct`` percent of IPv4 packets at random (nft numgen).
+* ``slow_spine``: every link of spine S is shaped down to ``bw_mbit`` (both directions).
+
+Each fault is undone by ``clear()``, which is idempotent and also runs on teardown.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from .scenario import Fault
+from .topo import Fabric, downlink_if, leaf_name, spine_name, uplink_if
+
+log = logging.getLogger("prismfab.faults")
+
+NFT_TABLE = "prismfab_fault"
+
+
+def _ingress_drop_table(ifname: str, stmt: str) -> str:
+    # One netdev table per port (a netdev chain hooks exactly one device).
+    return (f"add table netdev {NFT_TABLE} {{ chain in_{ifname.replace('-', '_')} {{ "
+            f"type filter hook ingress device \"{ifname}\" priority 0; policy accept; {stmt}; }}; }}")
+
+
+class Injector:
+    """Applies one fault to a fabric and knows how to count what the fault hits."""
+
+    def __init__(self, fabric: Fabric, fault: Fault):
+        self.fabric = fabric
+        self.fault = fault
+        self.active = False
+
+    # --- apply / clear ----------------------------------------------------------------------------------
+
+    def inject(self) -> None:
+        """Applies the fault now."""
+        f, fab = self.fault, self.fabric
+        lf, sp = fab.leaf(f.leaf), fab.spine(f.spine)
+        self.active = True
+        if f.kind == "link_down":
+            fab.sh(lf, f"ip link set {uplink_if(f.leaf, f.spine)} down")
+            fab.sh(sp, f"ip link set {downlink_if(f.spine, f.leaf)} down")
+        elif f.kind == "blackhole":
+            stmt = "meta protocol ip counter drop"
+            self._nft(lf, _ingress_drop_table(uplink_if(f.leaf, f.spine), stmt))
+            self._nft(sp, _ingress_drop_table(downlink_if(f.spine, f.leaf), stmt))
+        elif f.kind == "loss":
+            # numgen draws from [0, 10000): the threshold is the loss in hundredths of a percent.
+            thr = int(round(f.loss_pct * 100))
+            stmt = f"meta protocol ip numgen random mod 10000 < {thr} counter drop"
+            for r in range(fab.spec.rails):
+                self._nft(sp, _ingress_drop_table(downlink_if(f.spine, r), stmt))
+        elif f.kind == "slow_spine":
+            for r in range(fab.spec.rails):
+                fab.set_link_bw(lf if r == f.leaf else fab.leaf(r), uplink_if(r, f.spine), f.bw_mbit)
+                fab.set_link_bw(sp, downlink_if(f.spine, r), f.bw_mbit)
+        else:
+            raise ValueError(f"unknown fault kind {f.kind}")
+        log.info("fault %s (%s) injected: leaf %s spine %s", f.name, f.kind, leaf_name(f.leaf), spine_name(f.spine))
+
+    def _nft(self, node, ruleset: str) -> None:
+        # One nft command line adds the table and its chain atomically.
+        self.fabric.sh(node, f"nft '{ruleset}'")
+
+    def clear(self) -> None:
+        """Undoes the fault (idempotent) and reinstalls the routes a downed port took with it."""
+        f, fab = self.fault, self.fabric
+        spec = fab.spec
+        for node in fab.routers():
+            node.cmd(f"nft delete table netdev {NFT_TABLE} 2>/dev/null")
+        if f.kind == "link_down":
+            fab.sh(fab.leaf(f.leaf), f"ip link set {uplink_if(f.leaf, f.spine)} up")
+            fab.sh(fab.spine(f.spine), f"ip link set {downlink_if(f.spine, f.leaf)} up")
+        if f.kind == "slow_spine":
+            for r in range(spec.rails):
+                fab.set_link_bw(fab.leaf(r), uplink_if(r, f.spine), spec.spine_bw_mbit)
+                fab.set_link_bw(fab.spine(f.spine), downlink_if(f.spine, r), spec.spine_bw_mbit)
+        fab.routes()
+        self.active = False
+
+    # --- what the fault hits ----------------------------------------------------------------------------
+
+    def nft_drops(self) -> int:
+        """Packets the fault's nft rules dropped so far (0 for faults without rules)."""
+        f, fab = self.fault, self.fabric
+        nodes = []
+        if f.kind == "blackhole":
+            nodes = [fab.leaf(f.leaf), fab.spine(f.spine)]
+        elif f.kind == "loss":
+            nodes = [fab.spine(f.spine)]
+        total = 0
+        for node in nodes:
+            out = node.cmd(f"nft -j list table netdev {NFT_TABLE} 2>/dev/null")
+            total += _sum_counters(out)
+        return total
+
+    def dead_path_packets(self, netdev: dict, no_routes: dict) -> int | None:
+        """Packets sent into the dead path, from one sample of the counters (None: the fault has no dead
+        path)."""
+        f = self.fault
+        lf, sp = leaf_name(f.leaf), spine_name(f.spine)
+        if f.kind == "blackhole":
+            up = netdev.get(lf, {}).get(uplink_if(f.leaf, f.spine), {}).get("tx_packets", 0)
+            down = netdev.get(sp, {}).get(downlink_if(f.spine, f.leaf), {}).get("tx_packets", 0)
+            return up + down
+        if f.kind == "link_down":
+            up = netdev.get(lf, {}).get(uplink_if(f.leaf, f.spine), {}).get("tx_packets", 0)
+            return up + no_routes.get(sp, 0)
+        return None
+
+
+def _sum_counters(text: str) -> int:
+    """Sum of every rule counter's packets in ``nft -j`` output."""
+    import json
+
+    if not text.strip():
+        return 0
+    try:
+        doc = json.loads(text)
+    except json.JSONDecodeError:
+        return 0
+    total = 0
+    for item in doc.get("nftables", []):
+        rule = item.get("rule")
+        if not rule:
+            continue
+        for expr in rule.get("expr", []):
+            c = expr.get("counter")
+            if isinstance(c, dict):
+                total += int(c.get("packets", 0))
+    return total

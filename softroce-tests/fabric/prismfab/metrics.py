@@ -1,0 +1,317 @@
+"""What a run's counters mean: bytes per rail and per spine, balance, the scenario's lower bound.
+
+Pure functions over plain dicts, so they are unit-tested without a fabric.
+"""
+
+from __future__ import annotations
+
+from .scenario import TopologySpec
+from .topo import downlink_if, host_if, leaf_name, spine_name, uplink_if
+
+# Below this many bytes through the spines a balance figure means nothing (only stray packets crossed).
+MIN_SPINE_BYTES = 1 << 20
+
+
+def imbalance(values: list[float]) -> float | None:
+    """How far the most uneven entry is from the mean, as a fraction of the mean (0 = perfectly even,
+    1.0 = one of two spines idle). None when there is nothing to balance."""
+    if not values:
+        return None
+    mean = sum(values) / len(values)
+    if mean <= 0:
+        return None
+    return max(abs(v - mean) for v in values) / mean
+
+
+def rail_bytes(spec: TopologySpec, d: dict) -> list[dict]:
+    """Per host and rail: bytes sent and received on that NIC (from the host's own counters)."""
+    out = []
+    for i in range(spec.hosts):
+        for r in range(spec.rails):
+            c = d.get(f"h{i}", {}).get(host_if(i, r), {})
+            out.append({"host": i, "rail": r, "tx_bytes": c.get("tx_bytes", 0), "rx_bytes": c.get("rx_bytes", 0)})
+    return out
+
+
+def spine_links(spec: TopologySpec, d: dict) -> list[dict]:
+    """Per leaf-spine link: bytes up (leaf to spine, the leaf's transmit counter) and down (spine to leaf,
+    the spine's transmit counter)."""
+    out = []
+    for r in range(spec.rails):
+        for s in range(spec.spines):
+            up = d.get(leaf_name(r), {}).get(uplink_if(r, s), {})
+            down = d.get(spine_name(s), {}).get(downlink_if(s, r), {})
+            out.append({"leaf": r, "spine": s, "up_bytes": up.get("tx_bytes", 0), "down_bytes": down.get("tx_bytes", 0),
+                        "up_packets": up.get("tx_packets", 0), "down_packets": down.get("tx_packets", 0)})
+    return out
+
+
+def spine_balance(spec: TopologySpec, links: list[dict]) -> dict:
+    """Bytes through each spine (both directions, all leaves), their imbalance, and each leaf's uplink
+    imbalance (how evenly that leaf's outgoing bytes were spread over the spines)."""
+    per_spine = [0] * spec.spines
+    per_leaf: dict[int, list[int]] = {r: [0] * spec.spines for r in range(spec.rails)}
+    for l in links:
+        per_spine[l["spine"]] += l["up_bytes"] + l["down_bytes"]
+        per_leaf[l["leaf"]][l["spine"]] += l["up_bytes"]
+    total = sum(per_spine)
+    leaf_imb = {}
+    for r, v in per_leaf.items():
+        leaf_imb[r] = imbalance(v) if sum(v) >= MIN_SPINE_BYTES else None
+    return {
+        "spine_bytes": per_spine,
+        "spine_share": [round(b / total, 4) if total else 0.0 for b in per_spine],
+        "spine_imbalance": imbalance(per_spine) if total >= MIN_SPINE_BYTES else None,
+        "leaf_uplink_bytes": {str(r): v for r, v in per_leaf.items()},
+        "leaf_uplink_imbalance": {str(r): v for r, v in leaf_imb.items()},
+    }
+
+
+def windowed_uplink_imbalance(spec: TopologySpec, t: list[float], netdev: list[dict], window_s: float = 0.1,
+                              busy: float = 0.2) -> dict:
+    """How unevenly each leaf spread its spine-bound bytes *at each moment*: the imbalance over its
+    uplinks in every `window_s` window, averaged weighted by the window's bytes (windows carrying less than
+    `busy` of the leaf's busiest window are left out). Queues build at the moment two flows share an
+    uplink, so this is what congestion sees; totals over a run can look even while every instant was not
+    (a policy that moves whole messages from spine to spine)."""
+    idx = [0]
+    for k in range(1, len(t)):
+        if t[k] - t[idx[-1]] >= window_s - 1e-9:
+            idx.append(k)
+    out: dict[str, float | None] = {}
+    for r in range(spec.rails):
+        rows = []
+        for a, b in zip(idx, idx[1:]):
+            v = [netdev[b].get(leaf_name(r), {}).get(uplink_if(r, s), {}).get("tx_bytes", 0)
+                 - netdev[a].get(leaf_name(r), {}).get(uplink_if(r, s), {}).get("tx_bytes", 0)
+                 for s in range(spec.spines)]
+            rows.append(v)
+        peak = max((sum(v) for v in rows), default=0)
+        num = den = 0.0
+        for v in rows:
+            tot = sum(v)
+            if peak and tot >= busy * peak:
+                num += (imbalance(v) or 0.0) * tot
+                den += tot
+        out[str(r)] = (num / den) if den and peak * len(rows) >= MIN_SPINE_BYTES / 8 else None
+    vals = [v for v in out.values() if v is not None]
+    return {"per_leaf": out, "max": max(vals) if vals else None, "window_s": window_s}
+
+
+def flow_balance(spec: TopologySpec, flows: dict[int, dict[tuple[str, str], int]], addr_host: dict[str, int],
+                 min_bytes: int = 256 << 10) -> dict:
+    """Per host pair (source, destination): the bytes each spine forwarded, and how evenly each pair's
+    bytes were spread over the spines. `flows` is {spine: {(saddr, daddr): bytes}} from the spines' nft
+    sets; pairs below `min_bytes` in total (acknowledgements, probes) are left out of the averages."""
+    pairs: dict[tuple[int, int], list[int]] = {}
+    for s, per in flows.items():
+        for (sa, da), b in per.items():
+            if sa not in addr_host or da not in addr_host:
+                continue
+            key = (addr_host[sa], addr_host[da])
+            pairs.setdefault(key, [0] * spec.spines)[s] += b
+    rows = []
+    weighted = 0.0
+    weight = 0
+    worst = None
+    for (a, b), v in sorted(pairs.items()):
+        tot = sum(v)
+        imb = imbalance(v)
+        rows.append({"src": a, "dst": b, "spine_bytes": v, "imbalance": imb})
+        if tot >= min_bytes and imb is not None:
+            weighted += imb * tot
+            weight += tot
+            worst = imb if worst is None else max(worst, imb)
+    return {
+        "pairs": rows,
+        "pairs_counted": sum(1 for r in rows if sum(r["spine_bytes"]) >= min_bytes),
+        "mean_imbalance": (weighted / weight) if weight else None,
+        "max_imbalance": worst,
+    }
+
+
+def traffic_matrix(coll: str, nranks: int, size: int) -> dict[tuple[int, int], float]:
+    """Bytes each rank sends to each other rank in one iteration, as nccl-tests sizes the collective and
+    prism-perf runs it (ring algorithms send to rank+1; alltoall sends one block to every peer)."""
+    n = nranks
+    m: dict[tuple[int, int], float] = {}
+    nxt = lambda r: (r + 1) % n  # noqa: E731
+    if coll == "alltoall":
+        for a in range(n):
+            for b in range(n):
+                if a != b:
+                    m[(a, b)] = size / n
+    elif coll == "sendrecv":
+        for a in range(n):
+            m[(a, nxt(a))] = float(size)
+    elif coll == "all_reduce":
+        for a in range(n):
+            m[(a, nxt(a))] = 2.0 * (n - 1) / n * size
+    elif coll in ("all_gather", "reduce_scatter"):
+        for a in range(n):
+            m[(a, nxt(a))] = (n - 1) / n * size
+    else:
+        raise ValueError(f"no traffic model for {coll}")
+    return m
+
+
+def lower_bound_s(spec: TopologySpec, coll: str, size: int, rank_rail: str | None = None,
+                  rails_used: int | None = None) -> dict:
+    """The fastest one iteration could possibly finish on this fabric. Each pair's bytes are spread evenly
+    over the first `rails_used` rails of the sender (all of them by default, as Prism's rail layer does),
+    the k-th rail of the sender talking to the k-th of the receiver (Prism's rail pairing, see
+    ``TopologySpec.rail_order``); cross-rail bytes are spread perfectly over the spines. The busiest host
+    NIC or the busiest leaf's uplinks (or downlinks), over its capacity, wins. Headers and acknowledgements
+    are ignored, so real runs land above it."""
+    n = spec.hosts
+    k_used = max(1, min(rails_used or spec.rails, spec.rails))
+    m = traffic_matrix(coll, n, size)
+    host_bps = spec.host_bw_mbit * 1e6 / 8
+    spine_bps = spec.spine_bw_mbit * 1e6 / 8
+    nic_send: dict[tuple[int, int], float] = {}
+    nic_recv: dict[tuple[int, int], float] = {}
+    leaf_up = [0.0] * spec.rails
+    leaf_down = [0.0] * spec.rails
+    for (a, b), v in m.items():
+        oa, ob = spec.rail_order(a, rank_rail), spec.rail_order(b, rank_rail)
+        for k in range(k_used):
+            ra, rb, part = oa[k], ob[k], v / k_used
+            nic_send[(a, ra)] = nic_send.get((a, ra), 0.0) + part
+            nic_recv[(b, rb)] = nic_recv.get((b, rb), 0.0) + part
+            if ra != rb:
+                leaf_up[ra] += part
+                leaf_down[rb] += part
+    cands = {
+        "host_send": max(nic_send.values(), default=0.0) / host_bps,
+        "host_recv": max(nic_recv.values(), default=0.0) / host_bps,
+        "spine_up": max(leaf_up) / (spine_bps * spec.spines) if spec.spines else 0.0,
+        "spine_down": max(leaf_down) / (spine_bps * spec.spines) if spec.spines else 0.0,
+    }
+    bottleneck = max(cands, key=cands.get)
+    return {"seconds": cands[bottleneck], "bottleneck": bottleneck, "terms_s": cands, "rails_used": k_used,
+            "cross_spine_bytes": sum(leaf_up), "total_bytes": sum(m.values())}
+
+
+def spine_packets(spec: TopologySpec, netdev: dict) -> int:
+    """Packets sent onto every leaf-spine link (both directions), from one sample of the counters."""
+    return sum(netdev.get(leaf_name(r), {}).get(uplink_if(r, s), {}).get("tx_packets", 0)
+               + netdev.get(spine_name(s), {}).get(downlink_if(s, r), {}).get("tx_packets", 0)
+               for r in range(spec.rails) for s in range(spec.spines))
+
+
+def _rate(t: list[float], v: list[int], k0: int, k1: int) -> float:
+    return (v[k1] - v[k0]) / (t[k1] - t[k0]) if t[k1] > t[k0] else 0.0
+
+
+def recovery(t: list[float], dead: list[int], total: list[int], t_fault: float, interval_s: float,
+             window_s: float = 0.1, before_s: float = 0.3, residue: float = 0.05, busy: float = 0.2,
+             min_tail: float = 0.1, settle_s: float = 0.5) -> dict:
+    """How traffic left a dead path, from cumulative packet counts sampled at times `t`: `dead` entered the
+    dead path, `total` crossed the spines (dead path included).
+
+    * ``ttr_s``: from the fault to the last packet into the dead path, if that came while traffic still
+      flowed elsewhere (else not recovered: the policy used the dead path until the run ended).
+    * ``reroute_s``: from the fault to the first moment from which, in every 100 ms window where the
+      spines were still busy (at least 20 % of their rate before the fault), the dead path got at most 5 %
+      of its own rate before the fault: the bulk had moved, probes and stragglers aside. None when that
+      never happened while traffic still flowed, or only for the last `min_tail` of the traffic.
+    * ``residual_share``: the dead path's packet rate from `settle_s` after the fault on (busy windows),
+      over its rate before the fault.
+    """
+    n = len(t)
+    out: dict = {"resolution_s": interval_s, "recovered": False, "ttr_s": None, "reroute_s": None}
+    if n < 2:
+        return out
+    kf = max((k for k in range(n) if t[k] <= t_fault), default=0)
+    k0 = next((k for k in range(n) if t[k] >= t_fault - before_s), 0)
+    out["dead_path_packets"] = dead[-1] - dead[kf]
+    # The end of the traffic, not of the processes: the last sample at which the spines carried anything.
+    t_end = max((t[k] for k in range(1, n) if total[k] > total[k - 1]), default=t[-1])
+    out["traffic_end_s"] = t_end - t_fault
+    last = max((t[k] for k in range(kf + 1, n) if dead[k] > dead[k - 1]), default=None)
+    if last is None:
+        out.update(recovered=True, ttr_s=0.0)
+    else:
+        out["last_dead_packet_s"] = last - t_fault
+        if last < t_end - 2 * interval_s:
+            out.update(recovered=True, ttr_s=last - t_fault)
+    pre_dead = _rate(t, dead, k0, kf) if kf > k0 else 0.0
+    pre_total = _rate(t, total, k0, kf) if kf > k0 else 0.0
+    out["dead_share_before"] = (pre_dead / pre_total) if pre_total else None
+    if pre_dead <= 0 or pre_total <= 0:
+        return out
+    windows = []  # (start, dead rate, total rate) of every window after the fault, while traffic lasted
+    j = kf
+    for k in range(kf, n):
+        if t[k] > t_end - window_s:
+            break
+        j = max(j, k)
+        while j < n - 1 and t[j] < t[k] + window_s:
+            j += 1
+        windows.append((t[k], _rate(t, dead, k, j), _rate(t, total, k, j)))
+    # How much the policy still fed the dead path once it had had time to react (from `settle_s` after
+    # the fault on, busy windows only), relative to before the fault: 0 = left it, 1 = did not react.
+    late = [(d, tot) for start, d, tot in windows if start >= t_fault + settle_s and tot >= busy * pre_total]
+    if late:
+        out["residual_share"] = (sum(d for d, _ in late) / len(late)) / pre_dead
+    ok_from = None
+    for start, d, tot in reversed(windows):
+        if tot < busy * pre_total:
+            continue  # the spines were nearly idle here (between iterations): says nothing
+        if d > residue * pre_dead:
+            break
+        ok_from = start
+    if ok_from is not None:
+        # Credible only if a real part of the traffic after the fault still came after it: a dead path
+        # that falls quiet in the last moments of a run has not been left, the run just ended.
+        k_ok = next(k for k in range(n) if t[k] >= ok_from)
+        after_fault = total[-1] - total[kf]
+        if after_fault > 0 and (total[-1] - total[k_ok]) >= min_tail * after_fault:
+            out["reroute_s"] = max(0.0, ok_from - t_fault)
+    return out
+
+
+# Per-connection counters of PRISM_STATS that say how a run recovered (summed over every comm of every
+# rank); rto_us and reorder_threshold are settings, not counters, and stay out.
+CONN_COUNTERS = ("data_pkts_sent", "data_bytes_sent", "retransmissions", "spurious_retransmissions", "timeouts",
+                 "timeout_losses", "reorder_losses", "dead_path_losses", "duplicates", "cts_retransmitted",
+                 "sacks_sent", "sacks_received", "keepalives_sent")
+
+
+def summarize_stats(docs: list) -> dict:
+    """Sums Prism's PRISM_STATS files over every rank: the connection counters that speak of recovery,
+    the packets the connection dropped as bad, and over every path its state changes, probes and how many
+    paths were not alive at the end. Unknown shapes are skipped, so a schema change shows as missing
+    numbers, not as a crash."""
+    sums: dict[str, float] = {}
+
+    def add(k, v):
+        if isinstance(v, (int, float)) and not isinstance(v, bool):
+            sums[k] = sums.get(k, 0) + v
+
+    for d in docs:
+        comms = d.get("comms") if isinstance(d, dict) else None
+        if not isinstance(comms, list):
+            continue
+        for c in comms:
+            if not isinstance(c, dict):
+                continue
+            add("wrong_peer_dropped", c.get("wrong_peer_dropped"))
+            conn = c.get("conn") if isinstance(c.get("conn"), dict) else {}
+            for k in CONN_COUNTERS:
+                add(k, conn.get(k))
+            dropped = conn.get("dropped") if isinstance(conn.get("dropped"), dict) else {}
+            for v in dropped.values():
+                add("bad_packets_dropped", v)
+            for p in conn.get("paths", []) if isinstance(conn.get("paths"), list) else []:
+                if not isinstance(p, dict):
+                    continue
+                add("path_state_changes", p.get("state_changes"))
+                add("path_probes_sent", p.get("probes_sent"))
+                if p.get("state") not in (None, "alive"):
+                    add("paths_not_alive_at_close", 1)
+        for rail in d.get("rails", []) if isinstance(d.get("rails"), list) else []:
+            if isinstance(rail, dict):
+                add("unknown_token_dropped", rail.get("unknown_token_dropped"))
+                add("runt_dropped", rail.get("runt_dropped"))
+    return dict(sorted(sums.items()))

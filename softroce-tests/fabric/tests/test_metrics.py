@@ -1,0 +1,227 @@
+"""Balance, lower bound, recovery time and stats summing, on hand-made counters."""
+
+import unittest
+
+from prismfab import metrics
+from prismfab.scenario import TopologySpec
+
+
+class Imbalance(unittest.TestCase):
+    def test_even_split_is_zero(self):
+        self.assertEqual(metrics.imbalance([5, 5, 5, 5]), 0.0)
+
+    def test_one_of_two_spines_idle_is_one(self):
+        self.assertEqual(metrics.imbalance([10, 0]), 1.0)
+
+    def test_55_45_split_is_ten_percent(self):
+        self.assertAlmostEqual(metrics.imbalance([55, 45]), 0.10)
+
+    def test_nothing_to_balance_is_none(self):
+        self.assertIsNone(metrics.imbalance([0, 0]))
+
+
+def links(spec, up, down):
+    return [{"leaf": r, "spine": s, "up_bytes": up[r][s], "down_bytes": down[r][s]}
+            for r in range(spec.rails) for s in range(spec.spines)]
+
+
+class SpineBalance(unittest.TestCase):
+    spec = TopologySpec(hosts=4, rails=2, spines=2)
+
+    def test_spine_bytes_sum_both_directions_of_every_leaf(self):
+        up = [[4 << 20, 4 << 20], [3 << 20, 5 << 20]]
+        down = [[1 << 20, 1 << 20], [0, 0]]
+        b = metrics.spine_balance(self.spec, links(self.spec, up, down))
+        self.assertEqual(b["spine_bytes"], [8 << 20, 10 << 20])
+        self.assertAlmostEqual(b["spine_imbalance"], 1 / 9)
+        self.assertEqual(b["leaf_uplink_imbalance"]["0"], 0.0)
+        self.assertAlmostEqual(b["leaf_uplink_imbalance"]["1"], 0.25)
+
+    def test_a_few_stray_bytes_are_not_judged(self):
+        b = metrics.spine_balance(self.spec, links(self.spec, [[100, 0], [0, 0]], [[0, 0], [0, 0]]))
+        self.assertIsNone(b["spine_imbalance"])
+
+
+class FlowBalance(unittest.TestCase):
+    spec = TopologySpec(hosts=4, rails=2, spines=2)
+    addr = {"10.100.0.2": 0, "10.101.1.2": 1}
+
+    def test_a_flow_pinned_to_one_spine_has_imbalance_one(self):
+        flows = {0: {("10.100.0.2", "10.101.1.2"): 4 << 20}, 1: {}}
+        fb = metrics.flow_balance(self.spec, flows, self.addr)
+        self.assertEqual(fb["mean_imbalance"], 1.0)
+        self.assertEqual(fb["pairs_counted"], 1)
+
+    def test_a_sprayed_flow_split_evenly_has_imbalance_zero(self):
+        flows = {0: {("10.100.0.2", "10.101.1.2"): 2 << 20}, 1: {("10.100.0.2", "10.101.1.2"): 2 << 20}}
+        self.assertEqual(metrics.flow_balance(self.spec, flows, self.addr)["mean_imbalance"], 0.0)
+
+    def test_small_pairs_such_as_acks_do_not_count(self):
+        flows = {0: {("10.101.1.2", "10.100.0.2"): 1000}, 1: {}}
+        fb = metrics.flow_balance(self.spec, flows, self.addr)
+        self.assertIsNone(fb["mean_imbalance"])
+        self.assertEqual(fb["pairs_counted"], 0)
+
+
+class MomentImbalance(unittest.TestCase):
+    spec = TopologySpec(hosts=4, rails=2, spines=2)
+
+    def samples(self, per_window):
+        """Cumulative uplink counters of leaf 0, one sample per 100 ms, from per-window byte pairs."""
+        t, nd, a, b = [0.0], [{"lf0": {"lf0-sp0": {"tx_bytes": 0}, "lf0-sp1": {"tx_bytes": 0}}}], 0, 0
+        for k, (x, y) in enumerate(per_window, 1):
+            a, b = a + x, b + y
+            t.append(0.1 * k)
+            nd.append({"lf0": {"lf0-sp0": {"tx_bytes": a}, "lf0-sp1": {"tx_bytes": b}}})
+        return t, nd
+
+    def test_whole_messages_alternating_between_spines_are_uneven_at_every_moment(self):
+        # Over the run the two spines got the same bytes; at every moment one of them got everything.
+        t, nd = self.samples([(1 << 20, 0), (0, 1 << 20)] * 5)
+        w = metrics.windowed_uplink_imbalance(self.spec, t, nd)
+        self.assertAlmostEqual(w["per_leaf"]["0"], 1.0)
+
+    def test_sprayed_bytes_are_even_at_every_moment(self):
+        t, nd = self.samples([(1 << 19, 1 << 19)] * 10)
+        self.assertEqual(metrics.windowed_uplink_imbalance(self.spec, t, nd)["per_leaf"]["0"], 0.0)
+
+    def test_idle_windows_do_not_count(self):
+        t, nd = self.samples([(1 << 19, 1 << 19)] * 10 + [(100, 0)] * 10)
+        self.assertEqual(metrics.windowed_uplink_imbalance(self.spec, t, nd)["per_leaf"]["0"], 0.0)
+
+
+class TrafficAndBound(unittest.TestCase):
+    def test_alltoall_sends_one_block_to_every_peer(self):
+        m = metrics.traffic_matrix("alltoall", 4, 8 << 20)
+        self.assertEqual(len(m), 12)
+        self.assertEqual(set(m.values()), {2 << 20})
+
+    def test_ring_all_reduce_sends_2_n_minus_1_over_n_to_the_next_rank(self):
+        m = metrics.traffic_matrix("all_reduce", 4, 8 << 20)
+        self.assertEqual(m, {(0, 1): 12 << 20, (1, 2): 12 << 20, (2, 3): 12 << 20, (3, 0): 12 << 20})
+
+    def test_bound_of_ci_alltoall_on_one_rail_is_the_host_link(self):
+        # 4 ranks on rails 0,1,0,1, one rail each: a rank sends 3/4 of 8 MiB through one 100 Mbit/s NIC
+        # (0.50 s); each leaf sends 8 MiB up over 2 x 100 Mbit/s (0.34 s), which is faster.
+        spec = TopologySpec(hosts=4, rails=2, spines=2, host_bw_mbit=100, spine_bw_mbit=100)
+        lb = metrics.lower_bound_s(spec, "alltoall", 8 << 20, rails_used=1)
+        self.assertEqual(lb["bottleneck"], "host_send")
+        self.assertAlmostEqual(lb["seconds"], 0.75 * (8 << 20) / 12.5e6)
+        self.assertEqual(lb["cross_spine_bytes"], 2 * (8 << 20))
+
+    def test_bound_of_ci_alltoall_on_both_rails_is_the_spines(self):
+        # Both NICs halve the host term; every cross pair crosses the spines on both rails (the rail orders
+        # differ at each index), so each leaf sends 8 MiB up over 2 x 100 Mbit/s.
+        spec = TopologySpec(hosts=4, rails=2, spines=2, host_bw_mbit=100, spine_bw_mbit=100)
+        lb = metrics.lower_bound_s(spec, "alltoall", 8 << 20)
+        self.assertEqual(lb["bottleneck"], "spine_up")
+        self.assertAlmostEqual(lb["seconds"], (8 << 20) / 25e6)
+        self.assertAlmostEqual(lb["terms_s"]["host_send"], 0.375 * (8 << 20) / 12.5e6)
+
+    def test_ring_on_half_placed_ranks_crosses_the_spines_at_the_two_seams_only(self):
+        spec = TopologySpec(hosts=4, rails=2, spines=2)
+        lb = metrics.lower_bound_s(spec, "sendrecv", 8 << 20, rank_rail="half", rails_used=1)
+        self.assertEqual(lb["cross_spine_bytes"], 2 * (8 << 20))
+
+    def test_bound_moves_to_the_spines_when_they_are_oversubscribed(self):
+        spec = TopologySpec(hosts=8, rails=2, spines=4, host_bw_mbit=200, spine_bw_mbit=100)
+        lb = metrics.lower_bound_s(spec, "alltoall", 16 << 20)
+        self.assertIn(lb["bottleneck"], ("spine_up", "spine_down"))
+
+    def test_aligned_ranks_put_nothing_on_the_spines(self):
+        spec = TopologySpec(hosts=4, rails=2, spines=2, rank_rail="aligned")
+        self.assertEqual(metrics.lower_bound_s(spec, "alltoall", 8 << 20)["cross_spine_bytes"], 0)
+
+
+def series(rate_dead, rate_other, n=200, dt=0.01):
+    """Cumulative counts from per-sample increments given as functions of time."""
+    t, dead, total, d, o = [], [], [], 0, 0
+    for k in range(n):
+        tk = k * dt
+        if k:
+            d += rate_dead(tk)
+            o += rate_other(tk)
+        t.append(tk)
+        dead.append(d)
+        total.append(d + o)
+    return t, dead, total
+
+
+class Recovery(unittest.TestCase):
+    def test_policy_that_leaves_the_dead_path_recovers_after_the_time_it_took(self):
+        # 10 packets per 10 ms into the dead path until 0.8 s; fault at 0.5 s; the rest runs to 1.99 s.
+        t, dead, total = series(lambda x: 10 if x <= 0.8 else 0, lambda x: 10)
+        r = metrics.recovery(t, dead, total, 0.5, 0.01)
+        self.assertTrue(r["recovered"])
+        self.assertAlmostEqual(r["ttr_s"], 0.3, delta=0.011)
+        self.assertAlmostEqual(r["reroute_s"], 0.3, delta=0.011)
+        self.assertEqual(r["dead_path_packets"], 300)
+
+    def test_policy_that_keeps_using_the_dead_path_until_the_end_never_recovers(self):
+        t, dead, total = series(lambda x: 5, lambda x: 10)
+        r = metrics.recovery(t, dead, total, 0.5, 0.01)
+        self.assertFalse(r["recovered"])
+        self.assertIsNone(r["ttr_s"])
+        self.assertIsNone(r["reroute_s"])
+
+    def test_dead_path_draining_only_because_everything_stopped_is_no_reroute(self):
+        t, dead, total = series(lambda x: 5 if x <= 1.5 else 0, lambda x: 10 if x <= 1.5 else 0)
+        r = metrics.recovery(t, dead, total, 0.5, 0.01)
+        self.assertIsNone(r["reroute_s"])
+        self.assertFalse(r["recovered"])
+
+    def test_probes_into_the_dead_path_do_not_hide_the_reroute(self):
+        # The bulk leaves at 0.8 s; afterwards one probe every 0.5 s.
+        t, dead, total = series(lambda x: 10 if x <= 0.8 else (1 if round(x * 100) % 50 == 0 else 0), lambda x: 10)
+        r = metrics.recovery(t, dead, total, 0.5, 0.01)
+        self.assertAlmostEqual(r["reroute_s"], 0.3, delta=0.011)
+        self.assertGreater(r["last_dead_packet_s"], 0.9)
+
+    def test_idle_gap_between_iterations_is_not_judged(self):
+        # Traffic pauses from 1.0 to 1.3 s; the dead path was left at 0.7 s.
+        busy = lambda x: not (1.0 < x <= 1.3)  # noqa: E731
+        t, dead, total = series(lambda x: 10 if x <= 0.7 else 0, lambda x: 10 if busy(x) else 0)
+        r = metrics.recovery(t, dead, total, 0.5, 0.01)
+        self.assertAlmostEqual(r["reroute_s"], 0.2, delta=0.011)
+
+    def test_residual_share_is_the_late_dead_rate_over_the_early_one(self):
+        # 10 per sample before the fault at 0.5 s, 2 per sample after: a policy that cut the dead path to 20 %.
+        t, dead, total = series(lambda x: 10 if x <= 0.5 else 2, lambda x: 10)
+        r = metrics.recovery(t, dead, total, 0.5, 0.01)
+        self.assertAlmostEqual(r["residual_share"], 0.2, delta=0.01)
+        self.assertIsNone(r["reroute_s"])
+
+    def test_a_path_idle_before_the_fault_has_no_reroute_time(self):
+        t, dead, total = series(lambda x: 0, lambda x: 10)
+        r = metrics.recovery(t, dead, total, 0.5, 0.01)
+        self.assertIsNone(r["reroute_s"])
+        self.assertEqual(r["ttr_s"], 0.0)
+
+
+class Stats(unittest.TestCase):
+    def doc(self, retrans, states):
+        return {"comms": [{"wrong_peer_dropped": 1,
+                           "conn": {"retransmissions": retrans, "rto_us": 5000, "dropped": {"bad_token": 2, "malformed": 1},
+                                    "paths": [{"retransmissions": 99, "state_changes": s, "state": st}
+                                              for s, st in states]}}],
+                "rails": [{"unknown_token_dropped": 3, "runt_dropped": 0}]}
+
+    def test_connection_counters_are_summed_over_ranks_and_path_counters_are_not_double_counted(self):
+        s = metrics.summarize_stats([self.doc(6, [(1, "alive")]), self.doc(4, [(2, "dead"), (0, "alive")])])
+        self.assertEqual(s["retransmissions"], 10)
+        self.assertEqual(s["path_state_changes"], 3)
+        self.assertEqual(s["paths_not_alive_at_close"], 1)
+
+    def test_settings_are_not_summed_as_counters(self):
+        self.assertNotIn("rto_us", metrics.summarize_stats([self.doc(1, [])]))
+
+    def test_bad_packets_of_every_kind_are_counted(self):
+        s = metrics.summarize_stats([self.doc(1, [])])
+        self.assertEqual((s["bad_packets_dropped"], s["unknown_token_dropped"], s["wrong_peer_dropped"]), (3, 3, 1))
+
+    def test_an_unknown_shape_gives_no_numbers_rather_than_a_crash(self):
+        self.assertEqual(metrics.summarize_stats([{"something": [1, 2]}, [], "x"]), {})
+
+
+if __name__ == "__main__":
+    unittest.main()

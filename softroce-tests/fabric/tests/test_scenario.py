@@ -1,0 +1,114 @@
+"""Scenario files: the shipped ones load, and each kind of mistake is an error that names its field."""
+
+import copy
+import json
+import unittest
+from pathlib import Path
+
+from prismfab.scenario import Scenario, ScenarioError, TopologySpec, parse_size
+
+SCENARIOS = Path(__file__).resolve().parent.parent / "scenarios"
+
+
+def ci() -> dict:
+    return json.loads((SCENARIOS / "ci.json").read_text())
+
+
+class ScenarioFiles(unittest.TestCase):
+    def test_every_shipped_scenario_loads(self):
+        files = sorted(SCENARIOS.glob("*.json"))
+        self.assertGreaterEqual(len(files), 2)
+        for f in files:
+            with self.subTest(f=f.name):
+                Scenario.load(f)
+
+    def test_ci_scenario_is_four_hosts_two_rails_two_spines(self):
+        self.assertEqual(Scenario.load(SCENARIOS / "ci.json").topology.label(), "4x2x2")
+
+    def test_default_scenario_is_eight_hosts_two_rails_four_spines_at_100_to_200_mbit(self):
+        t = Scenario.load(SCENARIOS / "default.json").topology
+        self.assertEqual(t.label(), "8x2x4")
+        self.assertTrue(100 <= t.spine_bw_mbit <= t.host_bw_mbit <= 200)
+
+
+class ScenarioErrors(unittest.TestCase):
+    def assert_error_names(self, d: dict, needle: str):
+        with self.assertRaises(ScenarioError) as cm:
+            Scenario.from_json(d)
+        self.assertIn(needle, str(cm.exception))
+
+    def test_unknown_topology_field_is_named(self):
+        d = ci()
+        d["topology"]["spinez"] = 3
+        self.assert_error_names(d, "spinez")
+
+    def test_fault_on_a_spine_that_does_not_exist_is_rejected(self):
+        d = ci()
+        d["faults"][0]["spine"] = 7
+        self.assert_error_names(d, "faults[0].spine=7")
+
+    def test_fault_naming_an_undefined_policy_is_rejected(self):
+        d = ci()
+        d["faults"][0]["policies"] = ["zigzag"]
+        self.assert_error_names(d, "zigzag")
+
+    def test_unknown_collective_is_rejected(self):
+        d = ci()
+        d["workloads"][0]["collective"] = "broadcastish"
+        self.assert_error_names(d, "workloads[0].collective")
+
+    def test_unknown_workload_rank_rail_is_rejected(self):
+        d = ci()
+        d["workloads"][0]["rank_rail"] = "diagonal"
+        self.assert_error_names(d, "workloads[0].rank_rail")
+
+    def test_checks_naming_a_missing_workload_are_rejected(self):
+        d = ci()
+        d["checks"]["pinned_workload"] = "nope"
+        self.assert_error_names(d, "checks.pinned_workload")
+
+    def test_policy_env_must_be_prism_variables(self):
+        d = ci()
+        d["policies"][0]["env"] = {"PATH": "/bin"}
+        self.assert_error_names(d, "policies[0].env")
+
+    def test_duplicate_policy_names_are_rejected(self):
+        d = ci()
+        d["policies"].append(copy.deepcopy(d["policies"][0]))
+        self.assert_error_names(d, "duplicate")
+
+    def test_rotated_rank_rails_need_two_rails(self):
+        d = ci()
+        d["topology"]["rails"] = 1
+        d["faults"] = []
+        self.assert_error_names(d, "rank_rail")
+
+
+class Sizes(unittest.TestCase):
+    def test_suffixes_are_powers_of_1024(self):
+        self.assertEqual(parse_size("8M", "x"), 8 << 20)
+        self.assertEqual(parse_size("64k", "x"), 64 << 10)
+        self.assertEqual(parse_size(4096, "x"), 4096)
+
+    def test_garbage_size_names_the_field(self):
+        with self.assertRaises(ScenarioError) as cm:
+            parse_size("lots", "workloads[1].bytes")
+        self.assertIn("workloads[1].bytes", str(cm.exception))
+
+
+class RankRails(unittest.TestCase):
+    def test_rotate_alternates_rails_so_ring_neighbours_cross_the_spines(self):
+        t = TopologySpec(hosts=4, rails=2, spines=2, rank_rail="rotate")
+        self.assertEqual([t.rank_rail_of(i) for i in range(4)], [0, 1, 0, 1])
+
+    def test_half_puts_first_half_on_rail0(self):
+        t = TopologySpec(hosts=4, rails=2, spines=2, rank_rail="half")
+        self.assertEqual([t.rank_rail_of(i) for i in range(4)], [0, 0, 1, 1])
+
+    def test_aligned_keeps_every_rank_on_rail0(self):
+        t = TopologySpec(hosts=4, rails=2, spines=2, rank_rail="aligned")
+        self.assertEqual({t.rank_rail_of(i) for i in range(4)}, {0})
+
+
+if __name__ == "__main__":
+    unittest.main()
