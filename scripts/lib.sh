@@ -1,8 +1,8 @@
 # Shared helpers for Prism's scripts (sourced, not run).
 set -euo pipefail
 
-PRISM_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-export PRISM_ROOT
+REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+export REPO_ROOT
 
 say() { printf '\033[1m==> %s\033[0m\n' "$*" >&2; }
 die() { printf 'error: %s\n' "$*" >&2; exit 1; }
@@ -37,6 +37,6 @@ need_rust() {
 
 # Everything the build and the tests need on a fresh Debian machine.
 install_all() {
-  need_debs build-essential pkg-config iperf3 iproute2 ca-certificates
+  need_debs build-essential pkg-config iproute2 ca-certificates
   need_rust
 }
