@@ -1,0 +1,161 @@
+# Guest-side helpers, sourced by every scenario (POSIX sh: the guest has dash, no bash guarantees).
+# A scenario records numbers with `metric`, checks with `check`, and ends with `finish`, which writes
+# /out/result.json: {"scenario", "pass", "failed_checks", "metrics", "checks"}.
+
+OUT=/out
+mkdir -p "$OUT"
+: >/tmp/metrics
+: >/tmp/checks
+
+# Guest uptime in seconds. Builtins only where it is called often: under TCG on a busy host a fork
+# costs tens to hundreds of milliseconds.
+up() { read -r _u _ </proc/uptime; echo "$_u"; }
+# Logs go to stderr so that functions can return values on stdout.
+log() { read -r _u _ </proc/uptime; echo "[$_u] $*" >&2; }
+# is_pos VALUE: VALUE is a number greater than zero.
+is_pos() { printf '%s' "$1" | grep -Eq '^[0-9]+(\.[0-9]+)?$' && awk -v v="$1" 'BEGIN { exit !(v > 0) }'; }
+
+# metric NAME VALUE: a number (or true/false/null) for results.json; anything else is stored as null.
+metric() {
+  log "metric $1 = $2"
+  v=$2
+  case "$v" in
+    true|false|null) ;;
+    ''|*[!0-9.-]*|*.*.*|?*-*|.*|*.|-|-.*) v=null ;;
+  esac
+  printf '"%s": %s\n' "$1" "$v" >>/tmp/metrics
+}
+# metric_str NAME TEXT: a string metric (quotes and backslashes stripped, it is a label, not data).
+metric_str() {
+  log "metric $1 = $2"
+  printf '"%s": "%s"\n' "$1" "$(printf '%s' "$2" | tr -d '"\\' | tr '\n' ' ')" >>/tmp/metrics
+}
+
+# check NAME CONDITION-STATUS DETAIL: one claim of the scenario; a false claim fails the scenario.
+# Usage: [ "$x" -gt 0 ]; check traffic_crossed_the_veth $? "va tx_packets delta $x"
+check() {
+  if [ "$2" -eq 0 ]; then v=true; log "CHECK ok   $1: $3"; else v=false; log "CHECK FAIL $1: $3"; fi
+  printf '{"name": "%s", "ok": %s, "detail": "%s"}\n' "$1" "$v" "$(printf '%s' "$3" | tr -d '"\\' | tr '\n' ' ')" >>/tmp/checks
+}
+
+finish() {
+  nfail=$(grep -c '"ok": false' /tmp/checks)
+  nchk=$(grep -c . /tmp/checks)
+  pass=true
+  { [ "$nfail" -eq 0 ] && [ "$nchk" -gt 0 ]; } || pass=false
+  {
+    printf '{\n  "scenario": "%s",\n  "pass": %s,\n  "failed_checks": %s,\n' "$SCENARIO" "$pass" "$nfail"
+    printf '  "guest_seconds": %s,\n' "$(awk -v a="$T0" -v b="$(up)" 'BEGIN { printf "%.1f", b - a }')"
+    printf '  "metrics": {'
+    sed 's/^/    /; $!s/$/,/' /tmp/metrics | sed '1s/^/\n/'
+    printf '  },\n  "checks": [\n'
+    sed 's/^/    /; $!s/$/,/' /tmp/checks
+    printf '  ]\n}\n'
+  } >"$OUT/result.json"
+  log "scenario $SCENARIO: pass=$pass ($nfail of $nchk checks failed)"
+  [ "$pass" = true ]
+}
+
+T0=$(up)
+SCENARIO=$(basename "$0" .sh)
+
+# Two rxe devices on the two ends of one veth pair, in one namespace, with policy routing keyed on the
+# output interface: rxe (and ib_core's address resolution) set the flow's oif to its netdev, so RoCE
+# packets leave through the wire while received packets (no oif) still hit the local table.
+# va = 10.9.0.1 (rxe0), vb = 10.9.0.2 (rxe1). MTU from $MTU (1500: rxe path MTU 1024; 9000: 4096).
+wire_setup() {
+  modprobe -a veth rdma_rxe || return 1
+  ip link set lo up
+  ip link add va type veth peer name vb || return 1
+  ip link set va mtu "${MTU:-1500}"
+  ip link set vb mtu "${MTU:-1500}"
+  ip addr add 10.9.0.1/24 dev va
+  ip addr add 10.9.0.2/24 dev vb
+  for i in all default va vb; do
+    echo 1 >/proc/sys/net/ipv4/conf/$i/accept_local
+    echo 0 >/proc/sys/net/ipv4/conf/$i/rp_filter
+  done
+  ip link set va up
+  ip link set vb up
+  ip rule add pref 10 oif va lookup 100
+  ip rule add pref 11 oif vb lookup 101
+  ip rule add pref 1000 lookup local
+  ip rule del pref 0
+  ip route add 10.9.0.0/24 dev va src 10.9.0.1 table 100
+  ip route add 10.9.0.0/24 dev vb src 10.9.0.2 table 101
+  rdma link add rxe0 type rxe netdev va || return 1
+  rdma link add rxe1 type rxe netdev vb || return 1
+  # Carrier comes up asynchronously on veth; rxe ports follow it.
+  for _ in 1 2 3 4 5 6 7 8 9 10; do
+    if rdma link show rxe0/1 | grep -q 'state ACTIVE' && rdma link show rxe1/1 | grep -q 'state ACTIVE'; then
+      log "wire up: $(rdma link show | tr '\n' ' ')"
+      return 0
+    fi
+    sleep 0.5
+  done
+  log "rxe ports did not become ACTIVE: $(rdma link show | tr '\n' ' ')"
+  return 1
+}
+
+# The RoCEv2 GID index whose GID is IPv4-mapped (1 on this kernel's rxe; looked up, not assumed).
+roce_v2_ipv4_gid_index() {
+  dev=$1
+  for g in /sys/class/infiniband/"$dev"/ports/1/gids/*; do
+    i=${g##*/}
+    case "$(cat "$g")" in
+      0000:0000:0000:0000:0000:ffff:*)
+        if [ "$(cat /sys/class/infiniband/"$dev"/ports/1/gid_attrs/types/"$i" 2>/dev/null)" = "RoCE v2" ]; then
+          echo "$i"; return 0
+        fi ;;
+    esac
+  done
+  return 1
+}
+
+hw_counter() { cat "/sys/class/infiniband/$1/ports/1/hw_counters/$2" 2>/dev/null || echo 0; }
+net_stat() { cat "/sys/class/net/$1/statistics/$2"; }
+
+# Wait until something listens on TCP port $1 (perftest servers), at most $2 seconds.
+wait_listen() {
+  n=0
+  while [ "$n" -lt $(( $2 * 10 )) ]; do
+    ss -ltn 2>/dev/null | grep -q ":$1 " && return 0
+    sleep 0.1; n=$((n + 1))
+  done
+  return 1
+}
+
+# ib_write_bw's result row "#bytes #iterations BWpeak BWaverage MsgRate" (tab- or space-separated)
+# -> BW average in MB/s.
+perftest_bw() { awk 'NF == 5 && $1 ~ /^[0-9]+$/ && $2 ~ /^[0-9]+$/ && $4 ~ /^[0-9.]+$/ { bw = $4 } END { if (bw != "") print bw }' "$1"; }
+
+# The active path MTU of an rxe port in bytes (ibv_devinfo: "active_mtu: 4096 (5)").
+active_mtu() { ibv_devinfo -d "$1" 2>/dev/null | awk '/active_mtu:/ { print $2; exit }'; }
+
+# Counter sampler: one line "uptime value" every ~50 ms into FILE, with builtins plus one `sleep` fork
+# per sample (a fork costs tens of milliseconds in TCG while perftest keeps the vCPUs busy).
+# start_sampler FILE COUNTER_FILE; stop_sampler.
+start_sampler() {
+  rm -f /tmp/stop-sampler
+  (
+    while [ ! -f /tmp/stop-sampler ]; do
+      read -r t _ </proc/uptime
+      read -r v <"$2"
+      echo "$t $v"
+      sleep 0.05
+    done
+  ) >"$1" &
+  SAMPLER=$!
+}
+stop_sampler() { touch /tmp/stop-sampler; wait "$SAMPLER"; }
+
+# sampled_rate FILE BYTES: BYTES divided by the time between the first and the last change of the
+# sampled counter, in MB/s (10^6 B/s). perftest's own figure relies on calibrating the TSC against
+# gettimeofday, which fails under TCG on a busy host (it then prints "Correlation coefficient r^2 < 0.9"
+# and reports 0), so the test bed measures delivery itself.
+sampled_rate() {
+  awk -v bytes="$2" 'NR == 1 { v0 = $2; prev = $2; next }
+    $2 != prev { if (first == "") first = t_prev; last = $1 }
+    { prev = $2; t_prev = $1 }
+    END { if (first != "" && last > first) printf "%.2f\n", bytes / (last - first) / 1e6 }' "$1"
+}
