@@ -1,0 +1,328 @@
+//! Running a scenario: every scheme on every size (and with and without failures), repeated with
+//! consecutive seeds, then averaged into a summary.
+
+use std::collections::BTreeMap;
+
+use serde::{Deserialize, Serialize};
+
+use crate::engine::{RunResult, Sim};
+use crate::scenario::{Scenario, ScenarioError};
+
+/// The averaged figures of one (scheme, size, failures) case.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct SummaryRow {
+    /// Scheme.
+    pub scheme: String,
+    /// Message size, bytes.
+    pub size: u64,
+    /// Failures applied.
+    pub failures: bool,
+    /// Runs averaged.
+    pub runs: usize,
+    /// Runs that completed before the time limit.
+    pub completed: usize,
+    /// Mean CCT, µs.
+    pub cct_us: f64,
+    /// Lower bound, µs.
+    pub bound_us: f64,
+    /// Mean CCT increase over the bound, %.
+    pub cct_increase_pct: f64,
+    /// Mean busiest-NIC load at line rate, µs (see `RunResult::nic_load_us`).
+    #[serde(default)]
+    pub nic_load_us: f64,
+    /// Mean of the largest switch queue, bytes.
+    pub max_queue_bytes: f64,
+    /// Mean time-averaged switch queue, bytes.
+    pub avg_queue_bytes: f64,
+    /// Mean of the largest queue between two switches (host-facing last hops left out), bytes.
+    #[serde(default)]
+    pub max_fabric_queue_bytes: f64,
+    /// Largest queue per layer (mean over runs), bytes, by layer name.
+    pub layer_max_queue: BTreeMap<String, f64>,
+    /// Utilisation per layer (mean over runs).
+    pub layer_utilisation: BTreeMap<String, f64>,
+    /// Retransmissions per run.
+    pub retransmissions: f64,
+    /// Timeouts per run.
+    pub timeouts: f64,
+    /// Packets dropped by buffers per run.
+    pub drops_overflow: f64,
+    /// Packets dropped by failed links per run.
+    pub drops_failed: f64,
+    /// ECN marks per run.
+    pub ecn_marks: f64,
+    /// p99 reorder distance (max over runs).
+    pub ooo_p99: u64,
+    /// Time to reroute after a failure, µs (mean over runs).
+    pub reroute_us: Option<f64>,
+}
+
+/// Everything one scenario produced.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct ExperimentResult {
+    /// Scenario name.
+    pub scenario: String,
+    /// Its description.
+    pub description: String,
+    /// True for the scaled-down CI version.
+    pub ci: bool,
+    /// What the paper reports.
+    pub paper: BTreeMap<String, String>,
+    /// One row per (scheme, size, failures).
+    pub summary: Vec<SummaryRow>,
+    /// Slope of log(largest queue between switches) against log(size), per scheme (when sizes were
+    /// swept). The host-facing last hop is left out: there every scheme carries the same data plus the
+    /// host's own acknowledgements, slightly above line rate, whatever the load balancer does.
+    pub queue_slope: BTreeMap<String, f64>,
+    /// Every run.
+    pub runs: Vec<RunResult>,
+    /// Events processed over all runs.
+    pub events: u64,
+    /// Wall-clock seconds over all runs.
+    pub wall_s: f64,
+    /// Events per second over all runs.
+    pub events_per_s: f64,
+}
+
+impl ExperimentResult {
+    /// The summary row of `scheme` at `size` (with `failures`).
+    pub fn row(&self, scheme: &str, size: u64, failures: bool) -> Option<&SummaryRow> {
+        self.summary
+            .iter()
+            .find(|r| r.scheme == scheme && r.size == size && r.failures == failures)
+    }
+
+    /// The only or first row of `scheme` with `failures`.
+    pub fn first(&self, scheme: &str, failures: bool) -> Option<&SummaryRow> {
+        self.summary
+            .iter()
+            .find(|r| r.scheme == scheme && r.failures == failures)
+    }
+}
+
+fn mean(v: impl Iterator<Item = f64>) -> f64 {
+    let (s, n) = v.fold((0.0, 0usize), |(s, n), x| (s + x, n + 1));
+    if n == 0 {
+        0.0
+    } else {
+        s / n as f64
+    }
+}
+
+/// Least-squares slope of log(y) over log(x) (points with y ≤ 0 are taken as y = 1 byte).
+pub fn loglog_slope(points: &[(f64, f64)]) -> f64 {
+    let pts: Vec<(f64, f64)> = points
+        .iter()
+        .map(|&(x, y)| (x.max(1e-12).ln(), y.max(1.0).ln()))
+        .collect();
+    let n = pts.len() as f64;
+    if pts.len() < 2 {
+        return 0.0;
+    }
+    let mx = pts.iter().map(|p| p.0).sum::<f64>() / n;
+    let my = pts.iter().map(|p| p.1).sum::<f64>() / n;
+    let sxy: f64 = pts.iter().map(|p| (p.0 - mx) * (p.1 - my)).sum();
+    let sxx: f64 = pts.iter().map(|p| (p.0 - mx) * (p.0 - mx)).sum();
+    if sxx == 0.0 {
+        0.0
+    } else {
+        sxy / sxx
+    }
+}
+
+/// Run every case of `sc`. `progress` shows a bar per run; `ci` marks the result as the CI version.
+pub fn run_scenario(
+    sc: &Scenario,
+    progress: bool,
+    ci: bool,
+) -> Result<ExperimentResult, ScenarioError> {
+    let sizes: Vec<Option<u64>> = if sc.sizes.is_empty() {
+        vec![None]
+    } else {
+        sc.sizes.iter().copied().map(Some).collect()
+    };
+    let has_failures = sc.failures.random_link_prob > 0.0 || !sc.failures.links.is_empty();
+    let variants: Vec<bool> = match (has_failures, sc.failures.with_baseline) {
+        (false, _) => vec![false],
+        (true, false) => vec![true],
+        (true, true) => vec![false, true],
+    };
+    let mut runs = Vec::new();
+    for &size in &sizes {
+        for &fail in &variants {
+            for scheme in &sc.schemes {
+                for r in 0..sc.runs {
+                    let seed = sc.seed + r as u64;
+                    let mut sim = Sim::new(sc, scheme, size, fail, seed)?;
+                    if progress {
+                        let label = format!(
+                            "{} {}{}",
+                            scheme.name,
+                            size.map(human_bytes).unwrap_or_default(),
+                            if fail { " fail" } else { "" }
+                        );
+                        let expect = sim.bound_us() * 1.5;
+                        sim = sim.with_progress(&label, expect);
+                    }
+                    let res = sim.run(size.unwrap_or(0), fail);
+                    tracing::info!(
+                        scheme = %res.scheme,
+                        size = res.size,
+                        cct_us = res.cct_us,
+                        events = res.events,
+                        "run done"
+                    );
+                    runs.push(res);
+                }
+            }
+        }
+    }
+    let mut summary = Vec::new();
+    for &size in &sizes {
+        for &fail in &variants {
+            for scheme in &sc.schemes {
+                let rs: Vec<&RunResult> = runs
+                    .iter()
+                    .filter(|r| {
+                        r.scheme == scheme.name && r.size == size.unwrap_or(0) && r.failures == fail
+                    })
+                    .collect();
+                let mut layer_max_queue = BTreeMap::new();
+                let mut layer_utilisation = BTreeMap::new();
+                for l in &rs[0].layers {
+                    let same = |r: &&RunResult| {
+                        r.layers
+                            .iter()
+                            .find(|x| x.layer == l.layer)
+                            .cloned()
+                            .unwrap_or_default()
+                    };
+                    layer_max_queue.insert(
+                        l.layer.clone(),
+                        mean(rs.iter().map(|r| same(r).max_queue_bytes as f64)),
+                    );
+                    layer_utilisation.insert(
+                        l.layer.clone(),
+                        mean(rs.iter().map(|r| same(r).utilisation)),
+                    );
+                }
+                let reroutes: Vec<f64> = rs.iter().filter_map(|r| r.reroute_us).collect();
+                summary.push(SummaryRow {
+                    scheme: scheme.name.clone(),
+                    size: size.unwrap_or(0),
+                    failures: fail,
+                    runs: rs.len(),
+                    completed: rs.iter().filter(|r| r.completed).count(),
+                    cct_us: mean(rs.iter().map(|r| r.cct_us)),
+                    bound_us: mean(rs.iter().map(|r| r.bound_us)),
+                    cct_increase_pct: mean(rs.iter().map(|r| r.cct_increase_pct)),
+                    nic_load_us: mean(rs.iter().map(|r| r.nic_load_us)),
+                    max_queue_bytes: mean(rs.iter().map(|r| r.max_switch_queue_bytes as f64)),
+                    avg_queue_bytes: mean(rs.iter().map(|r| r.avg_switch_queue_bytes)),
+                    max_fabric_queue_bytes: mean(
+                        rs.iter().map(|r| r.max_fabric_queue_bytes as f64),
+                    ),
+                    layer_max_queue,
+                    layer_utilisation,
+                    retransmissions: mean(rs.iter().map(|r| r.proto.retransmissions as f64)),
+                    timeouts: mean(rs.iter().map(|r| r.proto.timeouts as f64)),
+                    drops_overflow: mean(
+                        rs.iter()
+                            .map(|r| r.layers.iter().map(|l| l.drops_overflow).sum::<u64>() as f64),
+                    ),
+                    drops_failed: mean(
+                        rs.iter()
+                            .map(|r| r.layers.iter().map(|l| l.drops_failed).sum::<u64>() as f64),
+                    ),
+                    ecn_marks: mean(
+                        rs.iter()
+                            .map(|r| r.layers.iter().map(|l| l.ecn_marks).sum::<u64>() as f64),
+                    ),
+                    ooo_p99: rs.iter().map(|r| r.ooo_p99).max().unwrap_or(0),
+                    reroute_us: (!reroutes.is_empty()).then(|| mean(reroutes.iter().copied())),
+                });
+            }
+        }
+    }
+    let queue_slope = queue_slopes(&summary);
+    let events: u64 = runs.iter().map(|r| r.events).sum();
+    let wall_s: f64 = runs.iter().map(|r| r.wall_s).sum();
+    Ok(ExperimentResult {
+        scenario: sc.name.clone(),
+        description: sc.description.clone(),
+        ci,
+        paper: sc.paper.clone(),
+        summary,
+        queue_slope,
+        runs,
+        events,
+        wall_s,
+        events_per_s: events as f64 / wall_s.max(1e-9),
+    })
+}
+
+/// Per scheme, the slope of log(largest queue between switches) over log(message size), when at least
+/// three sizes were run (with the first failure variant present: a scenario may have only failure rows).
+pub fn queue_slopes(summary: &[SummaryRow]) -> BTreeMap<String, f64> {
+    let mut out = BTreeMap::new();
+    let Some(first) = summary.first() else {
+        return out;
+    };
+    let variant = first.failures;
+    let mut sizes: Vec<u64> = summary.iter().map(|r| r.size).collect();
+    sizes.sort_unstable();
+    sizes.dedup();
+    if sizes.len() < 3 {
+        return out;
+    }
+    for r in summary {
+        if out.contains_key(&r.scheme) {
+            continue;
+        }
+        let pts: Vec<(f64, f64)> = summary
+            .iter()
+            .filter(|x| x.scheme == r.scheme && x.failures == variant)
+            .map(|x| (x.size as f64, x.max_fabric_queue_bytes))
+            .collect();
+        out.insert(r.scheme.clone(), loglog_slope(&pts));
+    }
+    out
+}
+
+/// `4 KiB`, `16 MiB`, ...
+pub fn human_bytes(b: u64) -> String {
+    const U: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
+    let mut x = b as f64;
+    let mut i = 0;
+    while x >= 1024.0 && i < U.len() - 1 {
+        x /= 1024.0;
+        i += 1;
+    }
+    if (x - x.round()).abs() < 1e-9 {
+        format!("{} {}", x.round() as u64, U[i])
+    } else {
+        format!("{x:.1} {}", U[i])
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn loglog_slope_recovers_power_laws() {
+        let lin: Vec<_> = (1..6).map(|i| (i as f64 * 10.0, i as f64 * 30.0)).collect();
+        assert!((loglog_slope(&lin) - 1.0).abs() < 1e-9);
+        let sqrt: Vec<_> = (1..6).map(|i| ((i * i) as f64, i as f64 * 100.0)).collect();
+        assert!((loglog_slope(&sqrt) - 0.5).abs() < 1e-9);
+        let flat: Vec<_> = (1..6).map(|i| (i as f64, 7.0)).collect();
+        assert!(loglog_slope(&flat).abs() < 1e-9);
+    }
+
+    #[test]
+    fn human_bytes_uses_binary_units() {
+        assert_eq!(human_bytes(4096), "4 KiB");
+        assert_eq!(human_bytes(16 << 20), "16 MiB");
+        assert_eq!(human_bytes(1536), "1.5 KiB");
+    }
+}

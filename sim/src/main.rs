@@ -1,0 +1,189 @@
+//! `prism-sim run FILE [--json OUT] [--ci]` runs one scenario; `prism-sim all [DIR]` runs every
+//! scenario of a folder. Each run writes JSON, a markdown summary and SVG charts.
+
+use std::path::{Path, PathBuf};
+
+use anyhow::Context;
+use clap::{Parser, Subcommand};
+use prism_sim::{report, run_scenario, Scenario};
+
+#[derive(Parser)]
+#[command(
+    name = "prism-sim",
+    about = "Packet-level fabric simulator running Prism's own lb and proto"
+)]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Run one scenario file.
+    Run {
+        /// The scenario (JSON).
+        file: PathBuf,
+        /// Write the full result JSON here (default: OUT_DIR/NAME.json).
+        #[arg(long)]
+        json: Option<PathBuf>,
+        /// Folder for the markdown summary and SVG charts.
+        #[arg(long, default_value = "target/sim")]
+        out_dir: PathBuf,
+        /// Run the scenario's scaled-down CI version.
+        #[arg(long)]
+        ci: bool,
+        /// No progress bars.
+        #[arg(long)]
+        quiet: bool,
+        /// Run only the schemes with these names (repeatable).
+        #[arg(long)]
+        scheme: Vec<String>,
+        /// Run only these message sizes, bytes (repeatable).
+        #[arg(long)]
+        size: Vec<u64>,
+    },
+    /// Render the markdown summary and the SVG charts again from a result JSON.
+    Report {
+        /// A result JSON written by `run`.
+        json: PathBuf,
+        /// Folder for the markdown and SVG files.
+        #[arg(long, default_value = "target/sim")]
+        out_dir: PathBuf,
+    },
+    /// Run every scenario in a folder.
+    All {
+        /// The folder.
+        #[arg(default_value = "sim/scenarios")]
+        dir: PathBuf,
+        /// Folder for results.
+        #[arg(long, default_value = "target/sim")]
+        out_dir: PathBuf,
+        /// Run the scaled-down CI versions.
+        #[arg(long)]
+        ci: bool,
+        /// No progress bars.
+        #[arg(long)]
+        quiet: bool,
+    },
+}
+
+fn run_one(
+    file: &Path,
+    json: Option<&Path>,
+    out_dir: &Path,
+    ci: bool,
+    quiet: bool,
+    only: &[String],
+    sizes: &[u64],
+) -> anyhow::Result<()> {
+    let text =
+        std::fs::read_to_string(file).with_context(|| format!("reading {}", file.display()))?;
+    let sc = Scenario::from_json(&text).with_context(|| format!("loading {}", file.display()))?;
+    let mut sc = if ci { sc.ci_variant()? } else { sc };
+    if !only.is_empty() {
+        sc.schemes.retain(|s| only.contains(&s.name));
+        anyhow::ensure!(
+            !sc.schemes.is_empty(),
+            "no scheme of {} is named {:?}",
+            file.display(),
+            only
+        );
+    }
+    if !sizes.is_empty() {
+        sc.sizes = sizes.to_vec();
+    }
+    eprintln!(
+        "== {} ({} schemes, {} sizes, {} runs each)",
+        sc.name,
+        sc.schemes.len(),
+        sc.sizes.len().max(1),
+        sc.runs
+    );
+    let res = run_scenario(&sc, !quiet, ci)?;
+    std::fs::create_dir_all(out_dir)?;
+    let stem = if ci {
+        format!("{}-ci", sc.name)
+    } else {
+        sc.name.clone()
+    };
+    let json_path = json
+        .map(Path::to_path_buf)
+        .unwrap_or_else(|| out_dir.join(format!("{stem}.json")));
+    if let Some(p) = json_path.parent() {
+        std::fs::create_dir_all(p)?;
+    }
+    std::fs::write(&json_path, serde_json::to_string_pretty(&res)?)?;
+    let md = write_outputs(&res, out_dir)?;
+    println!("{md}");
+    eprintln!(
+        "== {}: {} runs, {:.1} M events, {:.1} s, {:.2} M events/s; results in {}",
+        sc.name,
+        res.runs.len(),
+        res.events as f64 / 1e6,
+        res.wall_s,
+        res.events_per_s / 1e6,
+        json_path.display()
+    );
+    Ok(())
+}
+
+/// Write the markdown summary and the charts of `res` into `out_dir`; returns the markdown.
+fn write_outputs(res: &prism_sim::ExperimentResult, out_dir: &Path) -> anyhow::Result<String> {
+    std::fs::create_dir_all(out_dir)?;
+    let stem = if res.ci {
+        format!("{}-ci", res.scenario)
+    } else {
+        res.scenario.clone()
+    };
+    let md = report::markdown(res);
+    std::fs::write(out_dir.join(format!("{stem}.md")), &md)?;
+    for (suffix, svg) in report::charts(res) {
+        std::fs::write(out_dir.join(format!("{stem}-{suffix}.svg")), svg)?;
+    }
+    Ok(md)
+}
+
+fn main() -> anyhow::Result<()> {
+    tracing_subscriber_init();
+    let cli = Cli::parse();
+    match cli.cmd {
+        Cmd::Run {
+            file,
+            json,
+            out_dir,
+            ci,
+            quiet,
+            scheme,
+            size,
+        } => run_one(&file, json.as_deref(), &out_dir, ci, quiet, &scheme, &size),
+        Cmd::Report { json, out_dir } => {
+            let text = std::fs::read_to_string(&json)
+                .with_context(|| format!("reading {}", json.display()))?;
+            let mut res: prism_sim::ExperimentResult = serde_json::from_str(&text)
+                .with_context(|| format!("parsing {}", json.display()))?;
+            res.queue_slope = prism_sim::experiment::queue_slopes(&res.summary);
+            write_outputs(&res, &out_dir)?;
+            Ok(())
+        }
+        Cmd::All {
+            dir,
+            out_dir,
+            ci,
+            quiet,
+        } => {
+            let mut files: Vec<PathBuf> = std::fs::read_dir(&dir)
+                .with_context(|| format!("reading {}", dir.display()))?
+                .filter_map(|e| e.ok().map(|e| e.path()))
+                .filter(|p| p.extension().is_some_and(|x| x == "json"))
+                .collect();
+            files.sort();
+            for f in files {
+                run_one(&f, None, &out_dir, ci, quiet, &[], &[])?;
+            }
+            Ok(())
+        }
+    }
+}
+
+/// Logs stay off unless something goes wrong: the simulator itself reports through its outputs.
+fn tracing_subscriber_init() {}
