@@ -20,7 +20,7 @@ use rand::{rngs::SmallRng, SeedableRng};
 use serde::{Deserialize, Serialize};
 
 use crate::events::{Event, EventQueue, Ps, PS_PER_US};
-use crate::fabric::{Fabric, Packet, PacketPool, MAX_HDR};
+use crate::fabric::{Fabric, Packet, PacketBody, PacketMeta, PacketPool, MAX_HDR};
 use crate::host::{locked, PacketAimd, SharedAimd, SharedRate, SimPolicy};
 use crate::scenario::{invalid, RateMode, Scenario, ScenarioError, SchemeSpec};
 use crate::workload::{self, Transfer};
@@ -1009,16 +1009,20 @@ impl Sim {
             );
             let mut hdr = [0u8; MAX_HDR];
             hdr[..hdr_len].copy_from_slice(&self.txbuf[..hdr_len]);
+            let data = self.txbuf[1] == 1;
             let pkt = Packet {
-                src_nic: e.nic,
-                dst_nic: e.peer_nic,
-                entropy: t.entropy,
-                data: self.txbuf[1] == 1,
-                wire_bytes: (len + self.overhead) as u32,
-                dgram_len: len as u32,
-                hdr_len: hdr_len as u8,
-                hdr,
-                sent_at: self.now,
+                meta: PacketMeta {
+                    src_nic: e.nic,
+                    dst_nic: e.peer_nic,
+                    wire_bytes: (len + self.overhead) as u32,
+                    entropy: t.entropy,
+                    data,
+                },
+                body: PacketBody {
+                    dgram_len: len as u32,
+                    hdr_len: hdr_len as u8,
+                    hdr,
+                },
             };
             self.ready[nic as usize].push_back(ep);
             // A transmission only arms deadlines at least one minimum RTO away (RTO, CTS, probes) and
@@ -1086,14 +1090,12 @@ impl Sim {
             self.pool.release(pkt);
             return;
         }
-        if p.ecn_bytes > 0 && p.queued_bytes >= p.ecn_bytes {
-            let pk = self.pool.get_mut(pkt);
-            if pk.data {
-                let mut h = Header::new_unchecked(&mut pk.hdr[..pk.hdr_len as usize]);
-                let flags = h.flags();
-                h.set_flags(flags | FLAG_CE);
-                p.stats.ecn_marks += 1;
-            }
+        if p.ecn_bytes > 0 && p.queued_bytes >= p.ecn_bytes && self.pool.get(pkt).data {
+            let pk = self.pool.body_mut(pkt);
+            let mut h = Header::new_unchecked(&mut pk.hdr[..pk.hdr_len as usize]);
+            let flags = h.flags();
+            h.set_flags(flags | FLAG_CE);
+            p.stats.ecn_marks += 1;
         }
         p.queue.push_back(pkt);
         p.queued_bytes += bytes;
@@ -1117,10 +1119,11 @@ impl Sim {
 
     fn deliver(&mut self, pkt: u32) {
         self.delivered += 1;
-        let p = self.pool.get(pkt);
+        let (dst_nic, data) = (self.pool.get(pkt).dst_nic, self.pool.get(pkt).data);
+        let p = self.pool.body(pkt);
         let ep = wire::peek_token(&p.hdr[..p.hdr_len as usize])
             .and_then(|t| t.checked_sub(TOKEN_BASE))
-            .filter(|&i| (i as usize) < self.eps.len() && self.eps[i as usize].nic == p.dst_nic);
+            .filter(|&i| (i as usize) < self.eps.len() && self.eps[i as usize].nic == dst_nic);
         let Some(ep) = ep else {
             self.pool.release(pkt);
             return;
@@ -1129,7 +1132,7 @@ impl Sim {
         let len = p.dgram_len as usize;
         let hl = p.hdr_len as usize;
         self.rxbuf[..hl].copy_from_slice(&p.hdr[..hl]);
-        if p.data {
+        if data {
             let psn = u64::from_be_bytes(p.hdr[20..28].try_into().expect("DATA header has a PSN"));
             let e = &mut self.eps[ep as usize];
             match e.max_psn {

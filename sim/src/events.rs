@@ -59,6 +59,8 @@ pub struct EventQueue {
     last: Ps,
     buckets: Vec<Vec<(Ps, Event)>>,
     head0: usize,
+    /// Bit b set: bucket b (b ≥ 1) may hold items (a scan for the next bucket is one instruction).
+    nonempty: u128,
     len: usize,
     popped: u64,
 }
@@ -69,6 +71,7 @@ impl Default for EventQueue {
             last: 0,
             buckets: (0..65).map(|_| Vec::new()).collect(),
             head0: 0,
+            nonempty: 0,
             len: 0,
             popped: 0,
         }
@@ -90,7 +93,9 @@ impl EventQueue {
     #[inline]
     pub fn push(&mut self, at: Ps, ev: Event) {
         let at = at.max(self.last);
-        self.buckets[bucket(at, self.last)].push((at, ev));
+        let b = bucket(at, self.last);
+        self.buckets[b].push((at, ev));
+        self.nonempty |= 1 << b;
         self.len += 1;
     }
 

@@ -13,34 +13,48 @@ use crate::scenario::{invalid, LinkSpec, ScenarioError, SwitchMode, TopologySpec
 /// Largest header the simulator keeps per packet (every control packet and a DATA header fit).
 pub const MAX_HDR: usize = 80;
 
-/// A packet in flight: its wire bytes up to the payload (the payload itself is never read by the
-/// protocol in the simulator, so only its length is kept) and where it goes.
-#[derive(Clone)]
-pub struct Packet {
+/// What switches and ports read of a packet at every hop, kept apart from its header bytes so the
+/// per-hop work touches 16 bytes.
+#[derive(Debug, Clone, Copy)]
+pub struct PacketMeta {
     /// Source NIC (host · rails + rail).
     pub src_nic: u32,
     /// Destination NIC.
     pub dst_nic: u32,
+    /// Bytes on the wire (datagram + link overhead): what serialisation and buffers count.
+    pub wire_bytes: u32,
     /// Entropy (UDP source port index) the sender chose.
     pub entropy: u16,
     /// True for DATA packets (OFAN keeps separate pointers for data and acknowledgements).
     pub data: bool,
-    /// Bytes on the wire (datagram + link overhead): what serialisation and buffers count.
-    pub wire_bytes: u32,
+}
+
+/// The packet's wire bytes up to the payload, exactly as the sending connection wrote them (the
+/// payload itself is never read by the protocol in the simulator, so only its length is kept).
+#[derive(Clone)]
+pub struct PacketBody {
     /// Datagram length handed to the protocol at the receiver.
     pub dgram_len: u32,
     /// Bytes of `hdr` that are valid.
     pub hdr_len: u8,
-    /// The datagram's first bytes, exactly as the sending connection wrote them.
+    /// The datagram's first bytes.
     pub hdr: [u8; MAX_HDR],
-    /// When the packet left its host, ps.
-    pub sent_at: Ps,
+}
+
+/// A packet in flight.
+#[derive(Clone)]
+pub struct Packet {
+    /// What the fabric reads.
+    pub meta: PacketMeta,
+    /// What the receiver reads.
+    pub body: PacketBody,
 }
 
 /// A pool of packets, recycled so the hot path does not allocate.
 #[derive(Default)]
 pub struct PacketPool {
-    pkts: Vec<Packet>,
+    metas: Vec<PacketMeta>,
+    bodies: Vec<PacketBody>,
     free: Vec<u32>,
 }
 
@@ -50,12 +64,14 @@ impl PacketPool {
     pub fn alloc(&mut self, p: Packet) -> u32 {
         match self.free.pop() {
             Some(i) => {
-                self.pkts[i as usize] = p;
+                self.metas[i as usize] = p.meta;
+                self.bodies[i as usize] = p.body;
                 i
             }
             None => {
-                self.pkts.push(p);
-                (self.pkts.len() - 1) as u32
+                self.metas.push(p.meta);
+                self.bodies.push(p.body);
+                (self.metas.len() - 1) as u32
             }
         }
     }
@@ -66,26 +82,32 @@ impl PacketPool {
         self.free.push(i);
     }
 
-    /// The packet in slot `i`.
+    /// The fabric's view of packet `i`.
     #[inline]
-    pub fn get(&self, i: u32) -> &Packet {
-        &self.pkts[i as usize]
+    pub fn get(&self, i: u32) -> &PacketMeta {
+        &self.metas[i as usize]
     }
 
-    /// The packet in slot `i`, mutable.
+    /// The header bytes of packet `i`.
     #[inline]
-    pub fn get_mut(&mut self, i: u32) -> &mut Packet {
-        &mut self.pkts[i as usize]
+    pub fn body(&self, i: u32) -> &PacketBody {
+        &self.bodies[i as usize]
+    }
+
+    /// The header bytes of packet `i`, mutable (ECN marking).
+    #[inline]
+    pub fn body_mut(&mut self, i: u32) -> &mut PacketBody {
+        &mut self.bodies[i as usize]
     }
 
     /// Packets alive now (allocated and not released).
     pub fn live(&self) -> usize {
-        self.pkts.len() - self.free.len()
+        self.metas.len() - self.free.len()
     }
 
     /// Slots ever allocated (the high-water mark of packets alive at once).
     pub fn capacity(&self) -> usize {
-        self.pkts.len()
+        self.metas.len()
     }
 }
 
@@ -601,7 +623,7 @@ impl Fabric {
     }
 
     /// The output port switch `node` uses for `pkt` (arrived at `now`).
-    pub fn next_hop(&mut self, node: u32, pkt: &Packet, now: Ps) -> u32 {
+    pub fn next_hop(&mut self, node: u32, pkt: &PacketMeta, now: Ps) -> u32 {
         let si = self.switch_index(node);
         let n_dst = self.hosts * self.rails;
         let g = self.route[si * n_dst + pkt.dst_nic as usize] as usize;

@@ -80,8 +80,8 @@ pub struct Scenario {
     /// What the paper reports, for the side-by-side table (free text per metric).
     #[serde(default)]
     pub paper: BTreeMap<String, String>,
-    /// Overrides merged into this scenario (key by key, one level deep for objects) for the scaled-down
-    /// CI version.
+    /// Overrides merged into this scenario for the scaled-down CI version: key by key, objects one level
+    /// deep, except objects with a `kind` (topology, workload), which replace the original whole.
     #[serde(default)]
     pub ci: Option<serde_json::Value>,
 }
@@ -467,7 +467,8 @@ impl Scenario {
         Ok(s)
     }
 
-    /// The scaled-down CI version: `ci` merged over the scenario (objects one level deep).
+    /// The scaled-down CI version: `ci` merged over the scenario (objects one level deep; an object with a
+    /// `kind` replaces the original whole).
     pub fn ci_variant(&self) -> Result<Self, ScenarioError> {
         let Some(ci) = &self.ci else {
             return Ok(self.clone());
