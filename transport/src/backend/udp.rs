@@ -107,8 +107,8 @@ impl UdpRail {
         Ok(sent)
     }
 
-    /// Receive up to `bufs.len()` datagrams from every socket of the rail without blocking; each
-    /// `(len, source)` in `out` belongs to `bufs[k]` for the k-th entry pushed.
+    /// Receive up to `bufs.len()` (at most `BATCH`) datagrams from socket `sock` without blocking;
+    /// the k-th `(len, source)` in `out` describes `bufs[k]`.
     pub fn recv(&self, sock: usize, bufs: &mut [Vec<u8>], out: &mut Vec<(usize, SocketAddrV4)>) -> io::Result<()> {
         out.clear();
         let n = bufs.len().min(BATCH);
@@ -117,9 +117,10 @@ impl UdpRail {
         match recvmmsg(self.socks[sock].as_raw_fd(), &mut hdrs, iovs.iter_mut(), MsgFlags::MSG_DONTWAIT, None) {
             Ok(res) => {
                 for r in res {
-                    if let Some(a) = r.address {
-                        out.push((r.bytes, SocketAddrV4::new(a.ip(), a.port())));
-                    }
+                    // Keep one entry per datagram so that entry k stays buffer k; a datagram without a
+                    // source (none on UDP) gets 0.0.0.0:0, which no connection accepts as its peer.
+                    let src = r.address.map_or(SocketAddrV4::new(Ipv4Addr::UNSPECIFIED, 0), |a| SocketAddrV4::new(a.ip(), a.port()));
+                    out.push((r.bytes, src));
                 }
                 Ok(())
             }

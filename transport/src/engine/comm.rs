@@ -308,6 +308,12 @@ impl CommCore {
         Ok(out)
     }
 
+    /// The rate controller's name, state and the window it sets, under one lock.
+    fn rate_stats(&self) -> serde_json::Value {
+        let rate = self.rate.lock();
+        serde_json::json!({ "controller": rate.name(), "window_pkts": self.conn.window_pkts(), "state": rate.describe_state() })
+    }
+
     /// Final statistics of this comm.
     fn stats(&self) -> serde_json::Value {
         serde_json::json!({
@@ -317,7 +323,7 @@ impl CommCore {
             "peer_host": self.peer_host,
             "paths_per_rail": self.net.cfg.paths,
             "planned_bytes_per_rail": self.rail_bytes,
-            "rate": { "controller": self.rate.lock().name(), "window_pkts": self.conn.window_pkts(), "state": self.rate.lock().describe_state() },
+            "rate": self.rate_stats(),
             "wrong_peer_dropped": self.wrong_peer,
             "conn": serde_json::to_value(self.conn.stats()).unwrap_or(serde_json::Value::Null),
         })
