@@ -54,11 +54,13 @@ struct Link {
     blackhole: Option<(u16, Micros, Micros)>,
     /// Entropies whose packets always vanish.
     dead: Vec<u16>,
+    /// Entropies whose packets vanish from the given time on (a failed spine: many entropies at once).
+    holes: (Vec<u16>, Micros),
 }
 
 impl Default for Link {
     fn default() -> Self {
-        Self { loss: 0.0, dup: 0.0, jitter_us: 0, delay_us: 5, blackhole: None, dead: Vec::new() }
+        Self { loss: 0.0, dup: 0.0, jitter_us: 0, delay_us: 5, blackhole: None, dead: Vec::new(), holes: (Vec::new(), Micros::MAX) }
     }
 }
 
@@ -139,7 +141,18 @@ struct Sim {
     seq: u64,
     /// Every DATA packet end A sent, with the time it left the NIC.
     data_log: Vec<DataSent>,
+    /// Every datagram either end sent: (when it was queued, sending end, entropy, packet type, control kind).
+    wire_log: Vec<WireSent>,
     buf: Vec<u8>,
+}
+
+/// One datagram on the wire, for tests that look at which paths carried what.
+#[derive(Debug, Clone, Copy)]
+struct WireSent {
+    at: Micros,
+    from: usize,
+    entropy: u16,
+    ptype: Option<PacketType>,
 }
 
 /// A datagram on its way: (arrival time, tie-break sequence, destination end, bytes).
@@ -173,6 +186,7 @@ impl Sim {
             queue: BinaryHeap::new(),
             seq: 0,
             data_log: Vec::new(),
+            wire_log: Vec::new(),
             buf: vec![0; cfg.max_payload + MAX_HEADER_LEN],
         }
     }
@@ -225,6 +239,7 @@ impl Sim {
     fn send(&mut self, from: usize, entropy: u16, bytes: Vec<u8>) {
         let ptype = Header::new_checked(&bytes[..]).ok().and_then(|h| h.packet_type().ok());
         let is_data = ptype == Some(PacketType::Data);
+        self.wire_log.push(WireSent { at: self.now, from, entropy, ptype });
         let link = self.links[from].clone();
         let start = self.nic_free_ns[from].max(self.now * 1000);
         let done = start + (bytes.len() as u64 * 10).div_ceil(NIC_DECIBYTES_PER_NS);
@@ -238,7 +253,10 @@ impl Sim {
         ls.data += u64::from(is_data);
         // The hole swallows what leaves the NIC after it opened, whenever it was queued.
         let left = done / 1000;
-        if link.blackhole.is_some_and(|(e, from, until)| e == entropy && (from..until).contains(&left)) || link.dead.contains(&entropy) {
+        if link.blackhole.is_some_and(|(e, from, until)| e == entropy && (from..until).contains(&left))
+            || link.dead.contains(&entropy)
+            || (left >= link.holes.1 && link.holes.0.contains(&entropy))
+        {
             ls.blackholed += 1;
             return;
         }
@@ -835,5 +853,59 @@ fn a_stalled_receiver_does_not_get_paths_declared_dead() {
         verify(&sim, &posted);
         let dead = DEAD_REPORTS.with(|c| c.get());
         assert_eq!(dead, 0, "{dead} paths were declared dead because of a stall");
+    });
+}
+
+#[test]
+fn half_the_paths_black_holed_both_ways_carry_nothing_but_paced_probes_soon_after() {
+    // A failed spine: from `T`, every second entropy drops everything in both directions and nobody
+    // says so. Within a bounded time no new DATA and no SACK goes into any of them, including the ones
+    // the sender never lost a packet on (a failure episode keeps new packets on paths proven since it
+    // began); afterwards only probes do, at most one per `path_revive_us` per connection.
+    seeded(5, |seed| {
+        // Many entropies, as on a fabric sprayed over 128 source ports per rail: each one carries only a
+        // few packets in the milliseconds after the failure (a run of 8 losses per path never built up).
+        let cfg = ProtoConfig { n_paths: 1024, ..ProtoConfig::default() };
+        let holes: Vec<u16> = (0..cfg.n_paths).filter(|e| e % 2 == 1).collect();
+        const T: Micros = 2_000;
+        let l = Link { holes: (holes.clone(), T), ..Link::default() };
+        let mut sim = Sim::new(seed, &cfg, [l.clone(), l]);
+        let groups: Vec<Vec<Msg>> = (0..48).map(|i| vec![m(4 * MIB, 4 * MIB, i)]).collect();
+        let posted = post(&mut sim, &groups);
+        let mut episode_at = None;
+        sim.run_until(60_000_000, |s| {
+            if episode_at.is_none() && holes.iter().any(|&h| s.stats(A).paths[h as usize].state == PathHealth::Dead) {
+                episode_at = Some(s.now);
+            }
+            all_done(s, &posted)
+        });
+        verify(&sim, &posted);
+        let finish = sim.ends.iter().flat_map(|e| e.done.iter().map(|(t, _)| *t)).max().expect("completions");
+        let found = episode_at.expect("no black-holed path was ever marked dead");
+        // Bound: the first dead path shows up within a few minimum RTOs of the failure, and the paths
+        // proven just before it are each found after LOSS_RUN_DEAD losses, a few RTTs later.
+        let settle = T + 3 * cfg.rto_min_us;
+        assert!(found < settle, "first black-holed path found dead at {found} µs, failure at {T} µs");
+        assert!(finish > settle + 2_000, "the transfer (done at {finish} µs) must outlast the settle time {settle} µs");
+        let into_holes = |sim: &Sim, from: usize, ptype: PacketType, after: Micros| {
+            sim.wire_log.iter().filter(|w| w.from == from && w.ptype == Some(ptype) && w.at >= after && holes.contains(&w.entropy)).count()
+        };
+        let sent_after = sim.wire_log.iter().filter(|w| w.from == A && w.ptype == Some(PacketType::Data) && w.at >= settle).count();
+        assert!(sent_after > 1000, "only {sent_after} DATA packets after the settle time: the test moved too little");
+        assert_eq!(into_holes(&sim, A, PacketType::Data, settle), 0, "DATA still went into black-holed paths after {settle} µs");
+        assert_eq!(into_holes(&sim, B, PacketType::Sack, settle), 0, "SACKs still went into black-holed paths after {settle} µs");
+        let before = into_holes(&sim, A, PacketType::Data, T);
+        assert!(before > 0, "the holes swallowed no DATA at all: the test did not test anything");
+
+        // Keep work outstanding for a second: the dead paths are probed, paced.
+        let t0 = sim.now;
+        let late = post_late(&mut sim, t0 + 1_000_000);
+        verify(&sim, &late);
+        let probes = sim.wire_log.iter().filter(|w| w.from == A && w.at >= t0 && w.ptype == Some(PacketType::Control) && holes.contains(&w.entropy)).count() as u64;
+        let budget = 1_000_000 / cfg.path_revive_us + 2;
+        assert!(probes >= 1, "the dead paths were never probed");
+        assert!(probes <= budget, "{probes} control packets into the dead paths in 1 s: more than the {budget} paced probes");
+        assert_eq!(into_holes(&sim, A, PacketType::Data, t0), 0, "DATA went into a black-holed path after a probe");
+        assert_eq!(into_holes(&sim, B, PacketType::Sack, t0), 0, "a SACK went into a black-holed path late");
     });
 }

@@ -17,6 +17,9 @@ use crate::proto::{Completion, Connection, MsgError, MsgId, Placer, PayloadSourc
 /// Batches of transmissions one progress call may send before it returns (keeps test() short).
 const MAX_TX_BATCHES: usize = 64;
 
+/// How often a comm that sends DATA publishes its view of the paths to the shared board.
+const BOARD_EVERY_US: u64 = 10_000;
+
 enum Outcome {
     Sent(u64),
     Received(Vec<u64>),
@@ -58,6 +61,11 @@ pub(crate) struct CommCore {
     /// When the owner (NCCL's thread) last drove this comm; the progress thread leaves it alone
     /// while the owner is active.
     owner_active_us: u64,
+    /// Last publication to the path board: when, and the DATA packets sent by then.
+    board_at_us: u64,
+    board_data_pkts: u64,
+    /// Control packets moved off a path a sending comm to the same peer does not trust.
+    steered: u64,
 }
 
 struct Sources<'a>(&'a HashMap<MsgId, Box<dyn SendBuf>>);
@@ -133,6 +141,9 @@ impl CommCore {
             role,
             closed: false,
             owner_active_us: 0,
+            board_at_us: 0,
+            board_data_pkts: 0,
+            steered: 0,
         }
     }
 
@@ -188,6 +199,7 @@ impl CommCore {
             self.conn.handle_timeout(now);
         }
         self.transmit(now);
+        self.publish_paths(now);
         while let Some(c) = self.conn.poll_completion() {
             let (msg, outcome) = match c {
                 Completion::Sent { msg, len } => {
@@ -223,6 +235,40 @@ impl CommCore {
         }
     }
 
+    /// A comm that sends DATA tells the others which of its paths it trusts (see `board`).
+    fn publish_paths(&mut self, now: u64) {
+        let sent = self.conn.stats().data_pkts_sent;
+        if sent == self.board_data_pkts || now.saturating_sub(self.board_at_us) < BOARD_EVERY_US {
+            return;
+        }
+        self.board_at_us = now;
+        self.board_data_pkts = sent;
+        let paths = self.net.cfg.paths;
+        let rails = self.net.rails.len().min(self.peer_rails.len());
+        for (rail, dest) in self.peer_rails.iter().enumerate().take(rails) {
+            let good = (0..paths).map(|i| self.conn.path_preferred(rail as u16 * paths + i)).collect();
+            self.net.board.publish(*dest, good, now);
+        }
+    }
+
+    /// SACK, CTS and ACK packets (not DATA, and not PINGs, which probe their own path) leave from a
+    /// socket a sending comm to the same peer trusts.
+    fn steer(board: &super::board::PathBoard, dest: SocketAddrV4, sock: u16, pkt: &[u8], now: u64) -> u16 {
+        use crate::wire::{ControlKind, ControlPacket, ControlRepr, Header, PacketType};
+        let steerable = match Header::new_checked(pkt).ok().and_then(|h| h.packet_type().ok()) {
+            Some(PacketType::Sack | PacketType::Cts) => true,
+            Some(PacketType::Control) => ControlPacket::new_checked(pkt)
+                .ok()
+                .and_then(|p| ControlRepr::parse(&p).ok())
+                .is_some_and(|c| c.kind == ControlKind::Ack),
+            _ => false,
+        };
+        if !steerable {
+            return sock;
+        }
+        board.steer(dest, sock, now).unwrap_or(sock)
+    }
+
     fn transmit(&mut self, now: u64) {
         for _ in 0..MAX_TX_BATCHES {
             self.tx_meta.clear();
@@ -244,7 +290,10 @@ impl CommCore {
             }
             for (k, &(e, _)) in self.tx_meta.iter().enumerate() {
                 let rail = (e / paths) as usize % self.tx_by_rail.len();
-                self.tx_by_rail[rail].push((e % paths, k));
+                let dest = self.peer_rails[rail % self.peer_rails.len()];
+                let sock = Self::steer(&self.net.board, dest, e % paths, &self.tx[k][..self.tx_meta[k].1], now);
+                self.steered += u64::from(sock != e % paths);
+                self.tx_by_rail[rail].push((sock, k));
             }
             for (rail, items) in self.tx_by_rail.iter().enumerate() {
                 if items.is_empty() {
@@ -325,6 +374,7 @@ impl CommCore {
             "planned_bytes_per_rail": self.rail_bytes,
             "rate": self.rate_stats(),
             "wrong_peer_dropped": self.wrong_peer,
+            "control_steered": self.steered,
             "conn": serde_json::to_value(self.conn.stats()).unwrap_or(serde_json::Value::Null),
         })
     }

@@ -90,6 +90,7 @@ pub trait RecvBuf: Send {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct ReqId(pub u32);
 
+mod board;
 mod comm;
 mod config;
 pub mod device;

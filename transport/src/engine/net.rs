@@ -57,6 +57,8 @@ pub(crate) struct NetInner {
     closed: Mutex<Vec<serde_json::Value>>,
     seeds: AtomicU64,
     pub progress: Progress,
+    /// Path knowledge shared by the comms that talk to the same peer rail.
+    pub board: super::board::PathBoard,
 }
 
 impl NetInner {
@@ -273,6 +275,7 @@ impl Net {
             closed: Mutex::new(Vec::new()),
             seeds: AtomicU64::new(0),
             progress: Progress::default(),
+            board: super::board::PathBoard::default(),
         });
         let devices = inner.rails.iter().map(|r| r.info.clone()).collect();
         Ok(Net { inner, devices, pending: Mutex::new(HashMap::new()), next_stage: AtomicU64::new(1) })

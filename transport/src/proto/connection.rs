@@ -80,6 +80,9 @@ pub struct Connection {
     ping_due: bool,
     pong_due: Option<(u16, u32)>,
     probes_due: VecDeque<u16>,
+    /// Probes are paced: at most one per `path_revive_us` per connection, longest-dead path first, so
+    /// a failure that killed dozens of entropies does not turn into a stream of probes into it.
+    next_probe_at: Micros,
     ctl_rr: u16,
 }
 
@@ -126,6 +129,7 @@ impl Connection {
             ping_due: false,
             pong_due: None,
             probes_due: VecDeque::new(),
+            next_probe_at: 0,
             ctl_rr: 0,
         }
     }
@@ -274,6 +278,9 @@ impl Connection {
                     path.consecutive_timeouts = 0;
                     path.consecutive_losses = 0;
                     path.timeout_tx_seq = None;
+                    if let Probe::Sent(at) = path.probe {
+                        path.last_ok_sent_at = Some(path.last_ok_sent_at.map_or(at, |t| t.max(at)));
+                    }
                     self.set_health(e, PathHealth::Alive, now);
                 }
             }
@@ -326,7 +333,7 @@ impl Connection {
             .iter()
             .filter(|p| p.health == PathHealth::Dead)
             .filter_map(|p| match p.probe {
-                Probe::Idle => Some(p.dead_since.saturating_add(self.cfg.path_revive_us)),
+                Probe::Idle => Some(p.dead_since.saturating_add(self.cfg.path_revive_us).max(self.next_probe_at)),
                 Probe::Sent(at) => Some(at.saturating_add(probe_wait)),
                 Probe::Due => None,
             })
@@ -338,16 +345,19 @@ impl Connection {
             return;
         }
         let probe_wait = self.ctl_rtt.rto_us();
+        let revive = self.cfg.path_revive_us;
+        // The longest-dead path whose revive time came, if the pacing allows a probe now.
+        let mut next: Option<(Micros, u16)> = None;
         for e in 0..self.cfg.n_paths {
-            let revive = self.cfg.path_revive_us;
             let p = &mut self.paths[e as usize];
             if p.health != PathHealth::Dead {
                 continue;
             }
             match p.probe {
                 Probe::Idle if p.dead_since.saturating_add(revive) <= now => {
-                    p.probe = Probe::Due;
-                    self.probes_due.push_back(e);
+                    if next.map_or(true, |(since, _)| p.dead_since < since) {
+                        next = Some((p.dead_since, e));
+                    }
                 }
                 Probe::Sent(at) if at.saturating_add(probe_wait) <= now => {
                     p.probe = Probe::Idle;
@@ -355,6 +365,11 @@ impl Connection {
                 }
                 _ => {}
             }
+        }
+        if let Some((_, e)) = next.filter(|_| self.next_probe_at <= now) {
+            self.paths[e as usize].probe = Probe::Due;
+            self.probes_due.push_back(e);
+            self.next_probe_at = now.saturating_add(revive);
         }
     }
 
@@ -477,13 +492,16 @@ impl Connection {
         Some(Transmit { entropy: path, len: repr.buffer_len() })
     }
 
-    /// Round-robin over the paths that are not dead, so control traffic is not stuck on a broken one.
+    /// Round-robin over the paths new packets would take (not dead and, during a failure episode,
+    /// proven since it began), so control traffic is not stuck on a broken one.
     pub(super) fn ctl_entropy(&mut self) -> u16 {
         let n = self.cfg.n_paths;
+        let episode = self.proven_filter();
         for _ in 0..n {
             let e = self.ctl_rr % n;
             self.ctl_rr = (e + 1) % n;
-            if self.paths[e as usize].usable() {
+            let p = &self.paths[e as usize];
+            if p.usable() && episode.map_or(true, |since| p.proven_since(since)) {
                 return e;
             }
         }

@@ -47,6 +47,9 @@ pub(crate) struct Path {
     /// (low RTT, then silence) from congestion (rising RTT).
     pub(crate) max_rtt_since_timeout_us: u32,
     pub(crate) base_rtt_us: Option<u32>,
+    /// Send time of the latest transmission on this path known to have arrived (or of the probe that
+    /// revived it): during a failure episode only paths proven after its start carry new packets.
+    pub(crate) last_ok_sent_at: Option<Micros>,
 }
 
 impl Path {
@@ -64,12 +67,18 @@ impl Path {
             probe: Probe::Idle,
             max_rtt_since_timeout_us: 0,
             base_rtt_us: None,
+            last_ok_sent_at: None,
         }
     }
 
     /// New packets may use this path.
     pub(crate) fn usable(&self) -> bool {
         self.health != PathHealth::Dead
+    }
+
+    /// Proven to work since `since` (the start of a failure episode).
+    pub(crate) fn proven_since(&self, since: Micros) -> bool {
+        self.last_ok_sent_at.is_some_and(|t| t >= since)
     }
 
     /// When this path's oldest packet in flight times out.

@@ -337,10 +337,12 @@ impl Connection {
         rx.spurious = false;
         self.stats.sacks_sent += 1;
         self.tx.ack_pending = false;
-        // The triggering packet came in on its entropy, so that path works; answer along it.
+        // The triggering packet came in on its entropy, so that path works; answer along it, unless
+        // this end knows better (the path is dead, or unproven during a failure episode: a connection
+        // that also sends, or a driver's hint, learnt it; the way back may hash elsewhere).
         let entropy = match echo {
-            Some((e, _)) => e % self.cfg.n_paths,
-            None => self.ctl_entropy(),
+            Some((e, _)) if self.path_preferred(e % self.cfg.n_paths) => e % self.cfg.n_paths,
+            _ => self.ctl_entropy(),
         };
         Some(Transmit { entropy, len: repr.buffer_len() })
     }

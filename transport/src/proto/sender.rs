@@ -18,11 +18,18 @@ const DELAY_CONGESTION_SLACK_US: u64 = 50;
 /// Consecutive losses on one path (a timeout counts as one, a loss later found spurious is taken
 /// back), with nothing sent on it after them delivered in between, that mark it dead even without
 /// `path_dead_after` timeouts: while the other paths keep acknowledging, a black-holed path's packets
-/// are all found lost by the reorder threshold and its RTO never fires. Under 10% random loss a healthy
-/// path gets here with probability 1e-8; a path slow enough for 8 of its packets in a row to be
-/// overtaken by the reorder threshold is treated as dead too, until a probe gets through after
-/// `path_revive_us` (meanwhile the threshold widens with every spurious retransmission).
-const LOSS_RUN_DEAD: u32 = 8;
+/// are all found lost by the reorder threshold and its RTO never fires.
+///
+/// Two, because a connection spraying over many entropies puts only a few packets on each one: with
+/// 128 entropies per rail and a few hundred packets per connection and second (a 100 Mbit/s fabric),
+/// a run of 8 took seconds to build up on any one path and a black-holed path was never left. Under 1%
+/// random loss a healthy path dies this way once per 10^4 of its packets (and a probe revives it after
+/// `path_revive_us`); a late packet that was only overtaken takes its loss back and revives the path.
+const LOSS_RUN_DEAD: u32 = 2;
+
+/// During a failure episode, fewer paths proven since it began than this: other live paths are used
+/// too (explored), so the connection never squeezes itself onto one or two paths.
+const MIN_PROVEN_PATHS: usize = 4;
 
 /// CTS sequence numbers accepted ahead of the next expected one; a receiver never has more than
 /// `MAX_OUTSTANDING` receives posted, so anything further is bogus.
@@ -123,6 +130,13 @@ pub(crate) struct TxState {
     reorder_threshold: u32,
     /// A path died since its packets in flight were last written off.
     path_died: bool,
+    /// Paths currently dead.
+    pub(crate) dead_paths: u32,
+    /// A failure episode: since when (shortly before the first of the paths now dead died) only paths
+    /// proven since then carry new packets. A failing spine or link takes many entropies at once, and a
+    /// connection that sprays finds each of them only by losing packets on it; paths proven to work
+    /// since the failure began are the safe ones. Ends when no path is dead any more.
+    pub(crate) episode_since: Option<Micros>,
 }
 
 impl TxState {
@@ -155,6 +169,8 @@ impl TxState {
             ack_pending: false,
             reorder_threshold,
             path_died: false,
+            dead_paths: 0,
+            episode_since: None,
         }
     }
 
@@ -362,7 +378,7 @@ impl Connection {
         };
         self.policy.feedback(&Feedback::Ack { entropy: rec.entropy, rtt_us, congested, bytes: rec.len, now_us: now });
         if known_copy {
-            self.path_delivered(rec.entropy, rec.tx_seq, now);
+            self.path_delivered(rec.entropy, rec.tx_seq, rec.sent_at, now);
         }
         self.clean_path_front(rec.entropy);
         if rec.trunc {
@@ -480,8 +496,9 @@ impl Connection {
     /// Transmission `tx_seq` on `entropy` was acknowledged. Sent after the path's last loss, it ends
     /// the loss run; sent after its last timeout too, it proves the path works. (Order of
     /// transmission, not time: a whole window can leave within one microsecond.)
-    fn path_delivered(&mut self, entropy: u16, tx_seq: u64, now: Micros) {
+    fn path_delivered(&mut self, entropy: u16, tx_seq: u64, sent_at: Micros, now: Micros) {
         let path = &mut self.paths[entropy as usize];
+        path.last_ok_sent_at = Some(path.last_ok_sent_at.map_or(sent_at, |t| t.max(sent_at)));
         if tx_seq > path.last_loss_tx_seq {
             path.consecutive_losses = 0;
         }
@@ -505,6 +522,18 @@ impl Connection {
         let ps = &mut self.stats.paths[entropy as usize];
         ps.state = health;
         ps.state_changes += 1;
+        let rto = path.rtt.rto_us();
+        if health == PathHealth::Dead {
+            self.tx.dead_paths += 1;
+            // The failure began before the loss that revealed it, which was sent at most an RTO ago.
+            self.tx.episode_since.get_or_insert(now.saturating_sub(rto));
+        } else if was == PathHealth::Dead {
+            self.tx.dead_paths -= 1;
+            if self.tx.dead_paths == 0 {
+                self.tx.episode_since = None;
+            }
+        }
+        let path = &mut self.paths[entropy as usize];
         match health {
             PathHealth::Dead => {
                 path.dead_since = now;
@@ -739,7 +768,11 @@ impl Connection {
     /// retransmission) the path the lost copy took.
     fn pick_path(&mut self, msg: MsgId, offset: u64, retransmit: bool, avoid: Option<u16>, now: Micros) -> u16 {
         let n = self.cfg.n_paths;
-        let ok = |paths: &[super::path::Path], e: u16| paths[e as usize].usable() && (n == 1 || Some(e) != avoid);
+        let episode = self.proven_filter();
+        let ok = |paths: &[super::path::Path], e: u16| {
+            let p = &paths[e as usize];
+            p.usable() && episode.map_or(true, |since| p.proven_since(since)) && (n == 1 || Some(e) != avoid)
+        };
         let ctx = PathCtx { msg: msg.0, offset, n_paths: n, retransmit, avoid, now_us: now };
         let first = self.policy.pick(&ctx) % n;
         if ok(&self.paths, first) {
@@ -752,11 +785,35 @@ impl Connection {
         if let Some(e) = (1..n).map(|k| (first + k) % n).find(|&e| ok(&self.paths, e)) {
             return e;
         }
+        if episode.is_some() {
+            if let Some(e) = (0..n).map(|k| (first + k) % n).find(|&e| self.paths[e as usize].usable() && (n == 1 || Some(e) != avoid)) {
+                return e;
+            }
+        }
         // Every path is dead (or the only live one is the one to avoid): anything but the lost copy's.
         match avoid {
             Some(a) if a == first && n > 1 => (first + 1) % n,
             _ => first,
         }
+    }
+}
+
+impl Connection {
+    /// The start of the failure episode, if one is going on and enough paths were proven since then
+    /// for new packets to keep to them.
+    pub(super) fn proven_filter(&self) -> Option<Micros> {
+        let since = self.tx.episode_since?;
+        let proven = self.paths.iter().filter(|p| p.usable() && p.proven_since(since)).take(MIN_PROVEN_PATHS).count();
+        (proven >= MIN_PROVEN_PATHS).then_some(since)
+    }
+
+    /// Whether new packets would go on path `entropy` now: it is not dead and, during a failure
+    /// episode (some paths died), it was proven to work since the episode began. A driver whose other
+    /// connections share this one's paths (same source and destination address and port) can steer
+    /// their control packets with it.
+    pub fn path_preferred(&self, entropy: u16) -> bool {
+        let Some(p) = self.paths.get(entropy as usize) else { return false };
+        p.usable() && self.proven_filter().map_or(true, |since| p.proven_since(since))
     }
 }
 
