@@ -35,6 +35,19 @@ need_rust() {
   esac
 }
 
+# What the rail-topology Mininet fabric (softroce-tests/run fabric) needs, and a check that Mininet
+# can really run here: root, Debian's Mininet importable by /usr/bin/python3, and new net+pid
+# namespaces (the fabric runs only inside `unshare --net --pid --fork --mount-proc`). Dies otherwise.
+install_fabric() {
+  [ "$(id -u)" -eq 0 ] || die "the fabric test needs root (network namespaces, tc, nft)"
+  # Without recommends: Mininet recommends the Open vSwitch stack, which the fabric does not use.
+  need_debs mininet iperf3 nftables iproute2 ethtool iputils-ping util-linux python3
+  /usr/bin/python3 -c 'import mininet.net, mininet.link' \
+    || die "Mininet is installed but /usr/bin/python3 cannot import it"
+  unshare --net --pid --fork --mount-proc /bin/true \
+    || die "cannot create network and PID namespaces (unshare --net --pid --fork --mount-proc)"
+}
+
 # Everything the build and the tests need on a fresh Debian machine.
 install_all() {
   need_debs build-essential pkg-config iproute2 ca-certificates

@@ -7,7 +7,10 @@ pub fn alg_bytes(coll: Collective, param: usize, nranks: usize) -> f64 {
     let bytes = (param * crate::net::ELEM_BYTES) as f64;
     match coll {
         Collective::AllReduce | Collective::SendRecv => bytes,
-        Collective::AllGather | Collective::ReduceScatter | Collective::AllToAll => bytes * nranks as f64,
+        // The sparse alltoall is reported at its nominal (dense) size, like nccl-tests' alltoallv.
+        Collective::AllGather | Collective::ReduceScatter | Collective::AllToAll | Collective::AllToAllSparse => {
+            bytes * nranks as f64
+        }
     }
 }
 
@@ -16,7 +19,7 @@ pub fn bus_factor(coll: Collective, nranks: usize) -> f64 {
     let n = nranks.max(1) as f64;
     match coll {
         Collective::AllReduce => 2.0 * (n - 1.0) / n,
-        Collective::AllGather | Collective::ReduceScatter | Collective::AllToAll => (n - 1.0) / n,
+        Collective::AllGather | Collective::ReduceScatter | Collective::AllToAll | Collective::AllToAllSparse => (n - 1.0) / n,
         Collective::SendRecv => 1.0,
     }
 }

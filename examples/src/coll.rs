@@ -36,6 +36,12 @@ pub enum Collective {
     #[value(name = "alltoall")]
     #[serde(rename = "alltoall")]
     AllToAll,
+    /// Sparse, skewed alltoall (as in RailS): rank r sends to half of the other ranks (rounded up),
+    /// chosen and ordered by a seeded hash, the k-th of them getting 1/(k+1) of a block (Zipf); the
+    /// rest get nothing. See [`sparse_len`].
+    #[value(name = "alltoall_sparse")]
+    #[serde(rename = "alltoall_sparse")]
+    AllToAllSparse,
 }
 
 /// Element counts of one run, as nccl-tests derives them from a size in bytes.
@@ -58,12 +64,13 @@ impl Counts {
 
 impl Collective {
     /// Every collective, in the order `all` runs them.
-    pub const ALL: [Collective; 5] = [
+    pub const ALL: [Collective; 6] = [
         Collective::SendRecv,
         Collective::AllReduce,
         Collective::AllGather,
         Collective::ReduceScatter,
         Collective::AllToAll,
+        Collective::AllToAllSparse,
     ];
 
     /// nccl-tests' name (without `_perf`).
@@ -74,6 +81,7 @@ impl Collective {
             Collective::AllGather => "all_gather",
             Collective::ReduceScatter => "reduce_scatter",
             Collective::AllToAll => "alltoall",
+            Collective::AllToAllSparse => "alltoall_sparse",
         }
     }
 
@@ -91,7 +99,9 @@ impl Collective {
             Collective::SendRecv | Collective::AllReduce => Counts { send: count, recv: count, param: count },
             Collective::AllGather => Counts { send: per_rank, recv: per_rank * n, param: per_rank },
             Collective::ReduceScatter => Counts { send: per_rank * n, recv: per_rank, param: per_rank },
-            Collective::AllToAll => Counts { send: per_rank * n, recv: per_rank * n, param: per_rank },
+            Collective::AllToAll | Collective::AllToAllSparse => {
+                Counts { send: per_rank * n, recv: per_rank * n, param: per_rank }
+            }
         }
     }
 
@@ -101,7 +111,7 @@ impl Collective {
             return (Vec::new(), Vec::new());
         }
         match self {
-            Collective::AllToAll => {
+            Collective::AllToAll | Collective::AllToAllSparse => {
                 let others: Vec<usize> = (1..nranks).map(|d| (rank + d) % nranks).collect();
                 (others.clone(), others)
             }
@@ -313,6 +323,25 @@ pub fn plan(coll: Collective, rank: usize, nranks: usize, counts: Counts, bufs: 
                 .collect();
             ring(&mut p, right, left, &steps, slice);
         }
+        Collective::AllToAllSparse => {
+            let c = counts.param;
+            p.copies.push((recv(r * c, c), send(r * c, c)));
+            let others: Vec<usize> = (1..n).map(|d| (r + d) % n).collect();
+            let out: Vec<usize> = others.iter().map(|&q| sparse_len(r, q, n, c)).collect();
+            let inc: Vec<usize> = others.iter().map(|&q| sparse_len(q, r, n, c)).collect();
+            for (off, _) in slices(c, slice) {
+                for (k, &q) in others.iter().enumerate() {
+                    if off < out[k] {
+                        let len = slice.max(1).min(out[k] - off);
+                        p.sends.push(SendOp { peer: q, region: send(q * c + off, len), after: None });
+                    }
+                    if off < inc[k] {
+                        let len = slice.max(1).min(inc[k] - off);
+                        p.recvs.push(RecvOp { peer: q, region: recv(q * c + off, len), add_from: None, after_send: None });
+                    }
+                }
+            }
+        }
         Collective::AllToAll => {
             let c = counts.param;
             p.copies.push((recv(r * c, c), send(r * c, c)));
@@ -327,6 +356,36 @@ pub fn plan(coll: Collective, rank: usize, nranks: usize, counts: Counts, bufs: 
         }
     }
     p
+}
+
+/// Seed of the sparse alltoall's pattern. Fixed, because every rank must derive the same pattern;
+/// `softroce-tests/fabric/prismfab/metrics.py` repeats the computation for its lower bound.
+pub const SPARSE_SEED: u64 = 0x5eed_2026_0005;
+
+/// splitmix64's finalizer: a well-mixed 64-bit hash of `x`.
+fn mix64(x: u64) -> u64 {
+    let mut z = x.wrapping_add(0x9e37_79b9_7f4a_7c15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^ (z >> 31)
+}
+
+/// Elements rank `src` sends to rank `dst` in `alltoall_sparse` with blocks of `c` elements on `n`
+/// ranks: `src` orders the other ranks by `mix64(SPARSE_SEED ^ src << 32 ^ dst)`, sends `c / (k + 1)`
+/// elements to the k-th of the first `ceil((n - 1) / 2)` and nothing to the rest; its own block is
+/// copied whole. The same on every rank, so receivers know what arrives.
+pub fn sparse_len(src: usize, dst: usize, n: usize, c: usize) -> usize {
+    if src == dst {
+        return c;
+    }
+    let key = |d: usize| (mix64(SPARSE_SEED ^ ((src as u64) << 32) ^ d as u64), d);
+    let mine = key(dst);
+    let k = (0..n).filter(|&d| d != src && d != dst && key(d) < mine).count();
+    if k < (n - 1).div_ceil(2) {
+        c / (k + 1)
+    } else {
+        0
+    }
 }
 
 /// How the executor posts and waits.
@@ -715,6 +774,32 @@ mod tests {
     #[test]
     fn alltoall_transposes_blocks_on_1_to_4_ranks() {
         exact_for_all(Collective::AllToAll);
+    }
+
+    #[test]
+    fn sparse_alltoall_delivers_its_skewed_blocks_and_writes_nothing_else() {
+        exact_for_all(Collective::AllToAllSparse);
+    }
+
+    #[test]
+    fn sparse_alltoall_is_sparse_and_skewed() {
+        for n in [2, 3, 4, 8] {
+            let c = 840;
+            for src in 0..n {
+                let mut lens: Vec<usize> = (0..n).filter(|&d| d != src).map(|d| sparse_len(src, d, n, c)).collect();
+                lens.sort_unstable_by(|a, b| b.cmp(a));
+                let fan = (n - 1).div_ceil(2);
+                let want: Vec<usize> = (0..n - 1).map(|k| if k < fan { c / (k + 1) } else { 0 }).collect();
+                assert_eq!(lens, want, "n={n} src={src}");
+            }
+        }
+        // The pattern on 4 ranks (metrics.py's port for the fabric's lower bound pins the same matrix).
+        let m4: Vec<Vec<usize>> = (0..4).map(|s| (0..4).map(|d| sparse_len(s, d, 4, 840)).collect()).collect();
+        assert_eq!(m4, vec![vec![840, 840, 420, 0], vec![840, 840, 0, 420], vec![840, 420, 840, 0], vec![0, 840, 420, 840]]);
+        // Deterministic, and not the same subset on every rank.
+        assert_eq!(sparse_len(1, 5, 8, 100), sparse_len(1, 5, 8, 100));
+        let first: Vec<usize> = (0..8).map(|s| (0..8).filter(|&d| d != s).max_by_key(|&d| sparse_len(s, d, 8, 100)).unwrap()).collect();
+        assert!(first.iter().any(|&d| d != first[0]), "{first:?}");
     }
 
     #[test]

@@ -909,3 +909,4 @@ fn half_the_paths_black_holed_both_ways_carry_nothing_but_paced_probes_soon_afte
         assert_eq!(into_holes(&sim, B, PacketType::Sack, t0), 0, "a SACK went into a black-holed path late");
     });
 }
+

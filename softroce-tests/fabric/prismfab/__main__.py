@@ -223,12 +223,12 @@ def cmd_run(a) -> int:
             wl_by = {w.name: w for w in scn.workloads}
             done = set()
 
-            def run(wl: Workload, pol, fault=None):
+            def run(wl: Workload, pol, fault=None, again: bool = False):
                 key = (wl.name, pol.name, fault.name if fault else None)
-                if key in done:
+                if key in done and not again:
                     return
                 done.add(key)
-                d = out / "runs" / wl.name / pol.name / (fault.name if fault else "no-fault")
+                d = out / "runs" / wl.name / pol.name / ((fault.name if fault else "no-fault") + ("-again" if again else ""))
                 r = run_one(fab, scn, bins, wl, pol, fault, d, sample_interval_s=a.sample_ms / 1000)
                 log.info("%s: %s, CCT %s ms, spine imbalance %s, drops %s", r["label"], "ok" if r["ok"] else "FAILED",
                          report.fmt_ms(r.get("cct_s")), report.fmt_pct(r["balance"]["spine_imbalance"]),
@@ -242,7 +242,31 @@ def cmd_run(a) -> int:
                 for p in f.policies:
                     run(wl_by[f.workload], pol_by[p])  # its baseline, if the matrix did not include it
                     run(wl_by[f.workload], pol_by[p], f)
-            all_checks += checks_mod.evaluate(scn, runs)
+            # A fault check that failed only on its CCT ratio (every byte verified) gets one more try: its
+            # baseline and its fault run again, back to back, because one descheduled rank on a loaded
+            # 2-core machine stretches a single run. The first attempt stays in summary.json
+            # (`superseded_runs`); the check judges the second and says so.
+            superseded = []
+            for c in checks_mod.evaluate(scn, runs):
+                if not (c.name.startswith("fault.") and not c.ok and c.data.get("data_ok")):
+                    continue
+                fname, p = c.name[len("fault."):].rsplit(".", 1)
+                f = next(x for x in scn.faults if x.name == fname)
+                log.info("%s failed on its CCT ratio (%s): running its baseline and fault run once more", c.name,
+                         c.data.get("ratio"))
+                old = [r for r in runs if r["workload"]["name"] == f.workload and r["policy"]["name"] == p
+                       and (r.get("fault") or {}).get("name") in (None, fname)]
+                runs[:] = [r for r in runs if not any(r is o for o in old)]
+                superseded += [dict(r, superseded_by_retry=True) for r in old]
+                run(wl_by[f.workload], pol_by[p], again=True)
+                run(wl_by[f.workload], pol_by[p], f, again=True)
+            for c in checks_mod.evaluate(scn, runs):
+                if superseded and c.name.startswith("fault.") and any(
+                        r["policy"]["name"] == c.name.rsplit(".", 1)[1] and (r.get("fault") or {}).get("name")
+                        == c.name[len("fault."):].rsplit(".", 1)[0] for r in superseded):
+                    c.detail += " (second attempt: the first failed on the ratio)"
+                all_checks.append(c)
+            meta["superseded_runs"] = [{k: v for k, v in r.items() if k != "timeline"} for r in superseded]
         rc = 0 if all_checks and all(c.ok for c in all_checks) else 1
     except SystemExit as e:
         rc = int(e.code or 1)

@@ -118,5 +118,5 @@ def evaluate(scn: Scenario, runs: list[dict]) -> list[Check]:
                                 f"{'verified' if r['ok'] else 'NOT verified'}, CCT {r.get('cct_s') or 0:.3f} s vs "
                                 f"{(base or {}).get('cct_s') or 0:.3f} s without = x{ratio if ratio is None else round(ratio, 2)} "
                                 f"(limit x{c.cct_ratio_max:g}); {rec_txt}",
-                                {"ratio": ratio, "recovery": rec}))
+                                {"ratio": ratio, "recovery": rec, "data_ok": bool(r["ok"])}))
     return checks

@@ -130,6 +130,31 @@ def flow_balance(spec: TopologySpec, flows: dict[int, dict[tuple[str, str], int]
     }
 
 
+_M64 = (1 << 64) - 1
+# prism-perf's SPARSE_SEED (examples/src/coll.rs): the sparse alltoall's pattern is fixed by it.
+SPARSE_SEED = 0x5eed_2026_0005
+
+
+def _mix64(x: int) -> int:
+    """splitmix64's finalizer, as prism-perf computes it."""
+    z = (x + 0x9e37_79b9_7f4a_7c15) & _M64
+    z = ((z ^ (z >> 30)) * 0xbf58_476d_1ce4_e5b9) & _M64
+    z = ((z ^ (z >> 27)) * 0x94d0_49bb_1331_11eb) & _M64
+    return z ^ (z >> 31)
+
+
+def sparse_len(src: int, dst: int, n: int, c: int) -> int:
+    """Elements rank `src` sends to `dst` in prism-perf's alltoall_sparse (blocks of `c` elements): the
+    other ranks ordered by a seeded hash, the k-th of the first ceil((n-1)/2) gets c // (k+1), the rest
+    nothing (a port of `sparse_len` in examples/src/coll.rs)."""
+    if src == dst:
+        return c
+    key = lambda d: (_mix64(SPARSE_SEED ^ (src << 32) ^ d), d)  # noqa: E731
+    mine = key(dst)
+    k = sum(1 for d in range(n) if d not in (src, dst) and key(d) < mine)
+    return c // (k + 1) if k < (n - 1 + 1) // 2 else 0
+
+
 def traffic_matrix(coll: str, nranks: int, size: int) -> dict[tuple[int, int], float]:
     """Bytes each rank sends to each other rank in one iteration, as nccl-tests sizes the collective and
     prism-perf runs it (ring algorithms send to rank+1; alltoall sends one block to every peer)."""
@@ -141,6 +166,12 @@ def traffic_matrix(coll: str, nranks: int, size: int) -> dict[tuple[int, int], f
             for b in range(n):
                 if a != b:
                     m[(a, b)] = size / n
+    elif coll == "alltoall_sparse":
+        c = size // 4 // n  # f32 elements per block, as nccl-tests sizes an alltoall
+        for a in range(n):
+            for b in range(n):
+                if a != b and sparse_len(a, b, n, c):
+                    m[(a, b)] = 4.0 * sparse_len(a, b, n, c)
     elif coll == "sendrecv":
         for a in range(n):
             m[(a, nxt(a))] = float(size)

@@ -26,7 +26,7 @@ MAX_SPINES = 250
 
 RANK_RAIL_MODES = ("rotate", "aligned", "half")
 FAULT_KINDS = ("link_down", "blackhole", "loss", "slow_spine")
-COLLECTIVES = ("sendrecv", "all_reduce", "all_gather", "reduce_scatter", "alltoall")
+COLLECTIVES = ("sendrecv", "all_reduce", "all_gather", "reduce_scatter", "alltoall", "alltoall_sparse")
 
 
 def parse_size(text: Any, where: str) -> int:

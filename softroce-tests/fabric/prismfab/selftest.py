@@ -394,6 +394,22 @@ def check_recovery_arithmetic(fab: Fabric, interval_s: float = 0.01) -> Check:
                  {"expected_s": expected, "measured": rec, "started": t0})
 
 
+def timed(check, attempts: int = 3) -> Check:
+    """A check that depends on timing (throughput of one TCP flow, a paced UDP sender) run until it passes,
+    at most `attempts` times: on a loaded 2-core machine a descheduled iperf3 or sender misses by chance,
+    while a real fault (no shaping, a wrong counter) fails every attempt. Every attempt is kept."""
+    tries = []
+    for _ in range(attempts):
+        c = check()
+        tries.append({"ok": c.ok, "detail": c.detail, "data": c.data})
+        if c.ok:
+            break
+    if len(tries) > 1:
+        c.detail += f" (attempt {len(tries)} of at most {attempts}" + ("" if c.ok else ", every one failed") + ")"
+    c.data = dict(c.data, attempts=tries)
+    return c
+
+
 def run_all(fab: Fabric, with_traffic: bool = True) -> list[Check]:
     """Every self-check, in order; stops early when routing itself is broken."""
     checks = [check_hash_seed(fab), check_routing(fab)]
@@ -402,9 +418,9 @@ def run_all(fab: Fabric, with_traffic: bool = True) -> list[Check]:
     if fab.spec.rails >= 2:
         checks.append(check_ecmp_oracle(fab))
     if with_traffic:
-        checks.append(check_shaping(fab))
+        checks.append(timed(lambda: check_shaping(fab)))
         if fab.spec.rails >= 2:
             checks.append(check_queues(fab))
             checks.extend(check_fault_mechanisms(fab))
-            checks.append(check_recovery_arithmetic(fab))
+            checks.append(timed(lambda: check_recovery_arithmetic(fab)))
     return checks

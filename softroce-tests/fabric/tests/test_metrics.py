@@ -96,6 +96,13 @@ class TrafficAndBound(unittest.TestCase):
         self.assertEqual(len(m), 12)
         self.assertEqual(set(m.values()), {2 << 20})
 
+    def test_sparse_alltoall_matches_prism_perfs_pattern(self):
+        # The same matrix as prism-perf's unit test `sparse_alltoall_is_sparse_and_skewed` (840 elements a block).
+        want = [[840, 840, 420, 0], [840, 840, 0, 420], [840, 420, 840, 0], [0, 840, 420, 840]]
+        self.assertEqual([[metrics.sparse_len(s, d, 4, 840) for d in range(4)] for s in range(4)], want)
+        m = metrics.traffic_matrix("alltoall_sparse", 4, 4 * 4 * 840)
+        self.assertEqual(m, {(s, d): 4.0 * want[s][d] for s in range(4) for d in range(4) if s != d and want[s][d]})
+
     def test_ring_all_reduce_sends_2_n_minus_1_over_n_to_the_next_rank(self):
         m = metrics.traffic_matrix("all_reduce", 4, 8 << 20)
         self.assertEqual(m, {(0, 1): 12 << 20, (1, 2): 12 << 20, (2, 3): 12 << 20, (3, 0): 12 << 20})

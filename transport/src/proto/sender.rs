@@ -137,6 +137,8 @@ pub(crate) struct TxState {
     /// connection that sprays finds each of them only by losing packets on it; paths proven to work
     /// since the failure began are the safe ones. Ends when no path is dead any more.
     pub(crate) episode_since: Option<Micros>,
+    /// Send time of the packet whose loss was last held against its path.
+    blamed_sent_at: Option<Micros>,
 }
 
 impl TxState {
@@ -171,6 +173,7 @@ impl TxState {
             path_died: false,
             dead_paths: 0,
             episode_since: None,
+            blamed_sent_at: None,
         }
     }
 
@@ -443,6 +446,7 @@ impl Connection {
         // `path_timeout`, so a lost tail SACK does not look like a run of losses.
         if cause == LossCause::Reorder && blame {
             path.consecutive_losses += 1;
+            self.tx.blamed_sent_at = Some(sent_at);
         }
         path.last_loss_tx_seq = path.last_loss_tx_seq.max(tx_seq);
         let run = path.consecutive_losses;
@@ -525,8 +529,10 @@ impl Connection {
         let rto = path.rtt.rto_us();
         if health == PathHealth::Dead {
             self.tx.dead_paths += 1;
-            // The failure began before the loss that revealed it, which was sent at most an RTO ago.
-            self.tx.episode_since.get_or_insert(now.saturating_sub(rto));
+            // The failure had begun when the packet whose loss revealed it was sent: a path that
+            // delivered a packet sent after that works. (Without such a loss, an RTO before now.)
+            let since = self.tx.blamed_sent_at.take().unwrap_or(now.saturating_sub(rto));
+            self.tx.episode_since.get_or_insert(since);
         } else if was == PathHealth::Dead {
             self.tx.dead_paths -= 1;
             if self.tx.dead_paths == 0 {
@@ -613,7 +619,12 @@ impl Connection {
         let path = &mut self.paths[entropy as usize];
         path.rtt.on_timeout();
         if !blame {
-            self.tx.stalled |= others_stuck;
+            // A stall only if the peer has not been heard since this packet left. Otherwise the peer
+            // is alive, and the packet was either exempt already or the last of a window clogged by
+            // a black hole (every packet still in flight lost on dead paths, so nothing sent after it
+            // could arrive): treating that as a stall exempted every packet in flight at the next SACK,
+            // and their timeouts declared the next stall, so a black-holed path was never blamed.
+            self.tx.stalled |= others_stuck && self.last_heard <= sent_at;
             self.stats.stall_timeouts += 1;
             let ps = &mut self.stats.paths[entropy as usize];
             ps.timeouts += 1;
@@ -624,6 +635,7 @@ impl Connection {
         path.consecutive_timeouts += 1;
         path.consecutive_losses += 1;
         path.last_loss_tx_seq = path.last_loss_tx_seq.max(tx_seq);
+        self.tx.blamed_sent_at = Some(sent_at);
         path.timeout_tx_seq = Some(self.tx.next_tx_seq);
         let fb = Feedback::Timeout {
             entropy: Some(entropy),
