@@ -302,6 +302,22 @@ def recovery(t: list[float], dead: list[int], total: list[int], t_fault: float, 
     return out
 
 
+def byte_recovery(tl: dict) -> dict | None:
+    """`recovery` by bytes instead of packets, from a run's timeline (bytes per link per window): a probe
+    or a SACK weighs what it weighs, not as much as a 9 KB DATA packet. For a black hole (whose link
+    carries the bytes sent into it); None without a fault link."""
+    link = tl.get("fault_link")
+    if not link or link not in tl.get("links", {}) or not tl.get("t") or tl.get("fault_t") is None:
+        return None
+    step = tl.get("step_s", 0.05)
+    t = [tl["t"][0] - step] + list(tl["t"])
+    dead, total = [0], [0]
+    for k in range(len(tl["t"])):
+        dead.append(dead[-1] + tl["links"][link][k])
+        total.append(total[-1] + sum(v[k] for v in tl["links"].values()))
+    return recovery(t, dead, total, tl["fault_t"], step)
+
+
 # Per-connection counters of PRISM_STATS that say how a run recovered (summed over every comm of every
 # rank); rto_us and reorder_threshold are settings, not counters, and stay out.
 CONN_COUNTERS = ("data_pkts_sent", "data_bytes_sent", "retransmissions", "spurious_retransmissions", "timeouts",

@@ -8,6 +8,7 @@ spine over time around the fault).
 from __future__ import annotations
 
 from html import escape
+from . import metrics
 
 PALETTE = ["#4e79a7", "#f28e2b", "#e15759", "#76b7b2", "#59a14f", "#edc948", "#b07aa1", "#ff9da7", "#9c755f",
            "#bab0ac"]
@@ -40,6 +41,10 @@ def run_row(r: dict, base: dict | None) -> dict:
         ttr = f"{fmt_ms(rec.get('reroute_s')) if rec.get('reroute_s') is not None else 'never'} / {last}"
         if rec.get("residual_share") is not None:
             ttr += f" ({100 * rec['residual_share']:.0f} %)"
+        by = metrics.byte_recovery(r.get("timeline") or {}) if (r.get("fault") or {}).get("kind") == "blackhole" else None
+        if by and by.get("residual_share") is not None:
+            ttr += (f"; bytes: {fmt_ms(by.get('reroute_s')) if by.get('reroute_s') is not None else 'never'}"
+                    f" ({100 * by['residual_share']:.0f} %)")
     bal = r.get("balance") or {}
     return {
         "workload": r["workload"]["name"], "policy": r["policy"]["name"],
@@ -67,7 +72,7 @@ COLUMNS = [("workload", "workload"), ("policy", "policy"), ("fault", "fault"), (
            ("vs_no_fault", "CCT/no-fault"), ("spine_imbalance", "spine imbalance"),
            ("uplink_imbalance", "worst leaf uplink imbalance"), ("moment_imbalance", "same, per 100 ms"),
            ("flow_imbalance", "per-flow imbalance"), ("qdisc_drops", "fabric drops"), ("host_drops", "NIC drops"),
-           ("peak_backlog_kb", "peak queue KB"), ("retrans", "retrans"), ("ttr_ms", "reroute / last dead pkt ms (dead path rate left)")]
+           ("peak_backlog_kb", "peak queue KB"), ("retrans", "retrans"), ("ttr_ms", "reroute / last dead pkt ms (dead path rate left); by bytes: reroute ms (rate left)")]
 
 
 def baseline_of(r: dict, runs: list[dict]) -> dict | None:

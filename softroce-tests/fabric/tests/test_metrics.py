@@ -232,3 +232,19 @@ class Stats(unittest.TestCase):
 
 if __name__ == "__main__":
     unittest.main()
+
+
+class ByteRecovery(unittest.TestCase):
+    def test_probes_weigh_their_bytes_not_a_data_packets(self):
+        # 50 ms windows: the dead link carries 100 kB per window before the fault (at 1.0 s) and 200 bytes
+        # (probes) from 1.2 s on, while the spines stay busy: by bytes it was left after 0.2 s, rate ~0 %.
+        t = [round(0.05 * (k + 1), 2) for k in range(60)]
+        dead = [100_000 if x <= 1.0 else (50_000 if x <= 1.2 else 200) for x in t]
+        live = [100_000 if x <= 1.0 else 200_000 for x in t]
+        tl = {"t": t, "step_s": 0.05, "fault_t": 1.0, "fault_link": "a", "links": {"a": dead, "b": live}}
+        rec = metrics.byte_recovery(tl)
+        self.assertAlmostEqual(rec["reroute_s"], 0.2, places=2)
+        self.assertLess(rec["residual_share"], 0.01)
+
+    def test_no_fault_link_no_byte_recovery(self):
+        self.assertIsNone(metrics.byte_recovery({"t": [0.05], "links": {"a": [1]}}))
