@@ -354,10 +354,10 @@ impl Connection {
                 continue;
             }
             match p.probe {
-                Probe::Idle if p.dead_since.saturating_add(revive) <= now => {
-                    if next.map_or(true, |(since, _)| p.dead_since < since) {
-                        next = Some((p.dead_since, e));
-                    }
+                Probe::Idle
+                    if p.dead_since.saturating_add(revive) <= now && !matches!(next, Some((since, _)) if since <= p.dead_since) =>
+                {
+                    next = Some((p.dead_since, e));
                 }
                 Probe::Sent(at) if at.saturating_add(probe_wait) <= now => {
                     p.probe = Probe::Idle;
@@ -501,7 +501,7 @@ impl Connection {
             let e = self.ctl_rr % n;
             self.ctl_rr = (e + 1) % n;
             let p = &self.paths[e as usize];
-            if p.usable() && episode.map_or(true, |since| p.proven_since(since)) {
+            if p.usable() && p.proven_in(episode) {
                 return e;
             }
         }

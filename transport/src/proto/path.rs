@@ -81,6 +81,14 @@ impl Path {
         self.last_ok_sent_at.is_some_and(|t| t >= since)
     }
 
+    /// Fit for new packets during `episode` (if a failure episode is going on, its start): proven since.
+    pub(crate) fn proven_in(&self, episode: Option<Micros>) -> bool {
+        match episode {
+            None => true,
+            Some(since) => self.proven_since(since),
+        }
+    }
+
     /// When this path's oldest packet in flight times out.
     pub(crate) fn rto_deadline(&self) -> Option<Micros> {
         self.queue.front().map(|f| f.sent_at.saturating_add(self.rtt.rto_us()))

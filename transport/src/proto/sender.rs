@@ -783,7 +783,7 @@ impl Connection {
         let episode = self.proven_filter();
         let ok = |paths: &[super::path::Path], e: u16| {
             let p = &paths[e as usize];
-            p.usable() && episode.map_or(true, |since| p.proven_since(since)) && (n == 1 || Some(e) != avoid)
+            p.usable() && p.proven_in(episode) && (n == 1 || Some(e) != avoid)
         };
         let ctx = PathCtx { msg: msg.0, offset, n_paths: n, retransmit, avoid, now_us: now };
         let first = self.policy.pick(&ctx) % n;
@@ -825,7 +825,7 @@ impl Connection {
     /// their control packets with it.
     pub fn path_preferred(&self, entropy: u16) -> bool {
         let Some(p) = self.paths.get(entropy as usize) else { return false };
-        p.usable() && self.proven_filter().map_or(true, |since| p.proven_since(since))
+        p.usable() && p.proven_in(self.proven_filter())
     }
 }
 
