@@ -1,0 +1,358 @@
+//! One comm's verbs side: its QPs on every rail, the registrations of its outstanding buffers, and the
+//! translation between proto's datagrams and verbs operations (see `backend::verbs` for the scheme).
+//!
+//! Sender: proto writes a DATA header (its payload is not copied: the payload source only notes which
+//! bytes proto wanted), the payload goes as an RDMA WRITE WITH IMM from the send buffer to the address
+//! and rkey the receiver's CTS advertised, and the header follows as a SEND on the same QP. Receiver:
+//! proto's CTS is re-emitted with the buffers' registered addresses and per-rail rkeys; a header whose
+//! WRITE arrived goes to `Connection::handle_placed_data`, every other packet to `handle_datagram`.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::Arc;
+
+use super::TransportError;
+use crate::backend::verbs::{MrKeys, PostFail, QpSet, QpStats, RailPeer, RxEvent, VerbsDevice, SLOT_BYTES};
+use crate::proto::{Connection, MsgId, PayloadSource, Placer};
+use crate::wire::{CtsKeys, CtsPacket, CtsRepr, DataPacket, DataRepr, Header, PacketType, CTS_MAX_KEY_RAILS, DATA_HEADER_LEN};
+
+/// Most packets one transmit call posts (keeps test() short).
+const MAX_TX: usize = 256;
+/// Keyed CTS kept per connection (older ones are long matched).
+const MAX_REMOTE_CTS: usize = 1024;
+
+/// Records what proto asked for instead of copying it: the verbs backend sends from the buffer itself.
+#[derive(Default)]
+struct Recorder {
+    last: Option<(MsgId, u64, usize)>,
+}
+
+impl PayloadSource for Recorder {
+    fn read(&mut self, msg: MsgId, offset: u64, out: &mut [u8]) {
+        self.last = Some((msg, offset, out.len()));
+    }
+}
+
+/// The payload is already in place; nothing is ever copied on the verbs path.
+struct NoPlace;
+
+impl Placer for NoPlace {
+    fn place(&mut self, _: MsgId, _: usize, _: u64, _: &[u8]) {}
+}
+
+/// Counters of the verbs side of one comm.
+#[derive(Debug, Default, Clone, serde::Serialize)]
+pub(crate) struct VerbsCounters {
+    /// DATA whose CTS keys were unknown (not posted; proto resends).
+    pub missing_keys: u64,
+    /// DATA outside the advertised buffer (never posted).
+    pub bad_remote_range: u64,
+    /// Packets not posted because the QP was dead.
+    pub dead_qp_drops: u64,
+    /// Packets not posted because the send queue was full.
+    pub sq_full_drops: u64,
+    /// CTS sent with keys.
+    pub keyed_cts_sent: u64,
+    /// Keyed CTS received.
+    pub keyed_cts_received: u64,
+}
+
+/// Registered ranges of one buffer: (addr, len) and its keys per rail.
+struct BufMem {
+    addr: usize,
+    keys: Vec<MrKeys>,
+}
+
+pub(crate) struct VerbsComm {
+    pub rails: Vec<QpSet>,
+    paths: u16,
+    /// Sender: keyed CTS by sequence number.
+    remote: BTreeMap<u64, CtsRepr>,
+    /// Receiver: which receive each CTS sequence number stands for (proto numbers its CTS 0, 1, 2,
+    /// ... in the order of successful `post_recv` calls).
+    recv_seq: HashMap<u64, MsgId>,
+    next_recv_seq: u64,
+    mem: HashMap<MsgId, Vec<BufMem>>,
+    txbuf: Vec<u8>,
+    ctsbuf: Vec<u8>,
+    pub counters: VerbsCounters,
+}
+
+impl Drop for VerbsComm {
+    fn drop(&mut self) {
+        let msgs: Vec<MsgId> = self.mem.keys().copied().collect();
+        for m in msgs {
+            self.release(m);
+        }
+    }
+}
+
+/// The handshake's verbs block: `[rails u8][3 reserved]`, then per rail a [`RailPeer`].
+pub(crate) fn encode_peers(peers: &[RailPeer]) -> Vec<u8> {
+    let mut out = vec![peers.len() as u8, 0, 0, 0];
+    for p in peers {
+        p.encode(&mut out);
+    }
+    out
+}
+
+/// Parse the handshake's verbs block; every byte must be accounted for.
+pub(crate) fn decode_peers(b: &[u8]) -> Result<Vec<RailPeer>, TransportError> {
+    let bad = |why: &str| TransportError::ConnectionFailed(format!("bad verbs handshake block: {why}"));
+    if b.len() < 4 {
+        return Err(bad("shorter than its header"));
+    }
+    let n = b[0] as usize;
+    let mut at = 4;
+    let mut out = Vec::with_capacity(n);
+    for _ in 0..n {
+        let (p, used) = RailPeer::decode(&b[at..]).ok_or_else(|| bad("truncated rail"))?;
+        at += used;
+        out.push(p);
+    }
+    if at != b.len() {
+        return Err(bad("trailing bytes"));
+    }
+    Ok(out)
+}
+
+impl VerbsComm {
+    /// QPs on every rail for connection `token` (INIT, receives posted).
+    pub fn create(devs: &[Arc<VerbsDevice>], paths: u16, rc: bool, token: u64, max_payload: usize) -> Result<Self, TransportError> {
+        let base = crate::backend::verbs::flow_label_base(token, paths);
+        let rails = devs
+            .iter()
+            .map(|d| QpSet::new(d, paths, rc, base))
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(|e| TransportError::ConnectionFailed(format!("creating QPs: {e}")))?;
+        Ok(Self {
+            rails,
+            paths: paths.max(1),
+            remote: BTreeMap::new(),
+            recv_seq: HashMap::new(),
+            next_recv_seq: 0,
+            mem: HashMap::new(),
+            txbuf: vec![0u8; DATA_HEADER_LEN + max_payload],
+            ctsbuf: vec![0u8; SLOT_BYTES],
+            counters: VerbsCounters::default(),
+        })
+    }
+
+    /// Our QPs' connection data, per rail.
+    pub fn local(&self) -> Vec<RailPeer> {
+        self.rails.iter().map(QpSet::local).collect()
+    }
+
+    /// Connect our QPs to the peer's (rails paired by index).
+    pub fn connect(&mut self, peers: &[RailPeer]) -> Result<(), TransportError> {
+        if peers.len() != self.rails.len() {
+            return Err(TransportError::ConnectionFailed(format!(
+                "peer has {} verbs rails, this end {} (use the same PRISM_IB_HCA count on both)",
+                peers.len(),
+                self.rails.len()
+            )));
+        }
+        for (set, p) in self.rails.iter_mut().zip(peers) {
+            set.connect(p).map_err(|e| TransportError::ConnectionFailed(format!("connecting QPs: {e}")))?;
+        }
+        Ok(())
+    }
+
+    /// Register (or find the registration of) each buffer on every rail, for message `msg`.
+    pub fn register(&mut self, msg: MsgId, bufs: &[(usize, usize)]) -> Result<(), TransportError> {
+        let mut mems = Vec::with_capacity(bufs.len());
+        for &(addr, len) in bufs {
+            if len == 0 {
+                // Nothing is ever written to or read from an empty buffer.
+                let none = MrKeys { key: (0, 0), lkey: 0, rkey: 0 };
+                mems.push(BufMem { addr, keys: vec![none; self.rails.len()] });
+                continue;
+            }
+            let mut keys = Vec::with_capacity(self.rails.len());
+            for set in &self.rails {
+                match set.device().acquire_covering(addr, len) {
+                    Ok(k) => keys.push(k),
+                    Err(e) => {
+                        for (set, k) in self.rails.iter().zip(&keys) {
+                            set.device().release(k.key);
+                        }
+                        for m in &mems {
+                            self.release_mem(m);
+                        }
+                        return Err(TransportError::InvalidArgument(format!("registering {len} bytes at {addr:#x}: {e}")));
+                    }
+                }
+            }
+            mems.push(BufMem { addr, keys });
+        }
+        self.mem.insert(msg, mems);
+        Ok(())
+    }
+
+    /// A receive was posted as `msg`: remember its CTS sequence number.
+    pub fn recv_posted(&mut self, msg: MsgId) {
+        self.recv_seq.insert(self.next_recv_seq, msg);
+        self.next_recv_seq += 1;
+    }
+
+    fn release_mem(&self, m: &BufMem) {
+        for (set, k) in self.rails.iter().zip(&m.keys) {
+            set.device().release(k.key);
+        }
+    }
+
+    /// Message `msg` is done: drop its registrations.
+    pub fn release(&mut self, msg: MsgId) {
+        if let Some(mems) = self.mem.remove(&msg) {
+            for m in &mems {
+                self.release_mem(m);
+            }
+        }
+        self.recv_seq.retain(|_, m| *m != msg);
+    }
+
+    /// Reap completions and feed every received packet to `conn`.
+    pub fn poll(&mut self, conn: &mut Connection, now: u64) {
+        let Self { rails, remote, counters, .. } = self;
+        let nrails = rails.len();
+        for set in rails.iter_mut() {
+            set.poll_send();
+            set.check_states();
+            set.poll_recv(|ev| match ev {
+                RxEvent::Placed(h) => conn.handle_placed_data(h, now),
+                RxEvent::Packet(b) => {
+                    if let Some(c) = keyed_cts(b) {
+                        if c.keys.is_some_and(|k| k.rails as usize == nrails) {
+                            counters.keyed_cts_received += 1;
+                            remote.insert(c.cts_seq, c);
+                            while remote.len() > MAX_REMOTE_CTS {
+                                remote.pop_first();
+                            }
+                        }
+                    }
+                    conn.handle_datagram(b, now, &mut NoPlace);
+                }
+            });
+        }
+    }
+
+    /// Post what proto wants to send.
+    pub fn transmit(&mut self, conn: &mut Connection, now: u64) {
+        let mut rec = Recorder::default();
+        for _ in 0..MAX_TX {
+            rec.last = None;
+            let Some(t) = conn.poll_transmit(now, &mut rec, &mut self.txbuf) else { return };
+            let nrails = self.rails.len();
+            let rail = (t.entropy / self.paths) as usize % nrails;
+            let q = (t.entropy % self.paths) as usize;
+            let ptype = Header::new_checked(&self.txbuf[..t.len]).ok().and_then(|h| h.packet_type().ok());
+            let res = match ptype {
+                Some(PacketType::Data) => self.post_data(rail, q, t.len, rec.last),
+                Some(PacketType::Cts) => self.post_cts(rail, q, t.len),
+                _ => self.rails[rail].post_send(q, &self.txbuf[..t.len]).map_err(Some),
+            };
+            match res {
+                Ok(()) | Err(None) => {}
+                Err(Some(PostFail::Dead)) => self.counters.dead_qp_drops += 1,
+                Err(Some(PostFail::Full)) => self.counters.sq_full_drops += 1,
+                Err(Some(PostFail::TooBig)) => tracing::warn!(len = t.len, "packet larger than a verbs slot: not sent"),
+            }
+        }
+    }
+
+    /// Err(None): not posted, already counted.
+    fn post_data(&mut self, rail: usize, q: usize, len: usize, read: Option<(MsgId, u64, usize)>) -> Result<(), Option<PostFail>> {
+        let bytes = &self.txbuf[..len];
+        let Ok(d) = DataPacket::new_checked(bytes).and_then(|p| DataRepr::parse(&p)) else { return Err(None) };
+        if d.len == 0 || d.trunc {
+            return self.rails[rail].post_send(q, &bytes[..DATA_HEADER_LEN]).map_err(Some);
+        }
+        let Some((msg, off, n)) = read.filter(|&(_, off, n)| off == d.offset && n == d.len as usize) else {
+            self.counters.missing_keys += 1;
+            return Err(None);
+        };
+        let Some(local) = self.mem.get(&msg).and_then(|m| m.first()) else {
+            self.counters.missing_keys += 1;
+            return Err(None);
+        };
+        let Some(cts) = self.remote.get(&d.cts_seq) else {
+            self.counters.missing_keys += 1;
+            return Err(None);
+        };
+        let (Some(keys), sub) = (cts.keys, d.sub as usize) else {
+            self.counters.missing_keys += 1;
+            return Err(None);
+        };
+        // proto checked this against the CTS it parsed; check again before the NIC writes remote memory.
+        let size = cts.bufs().get(sub).map_or(0, |b| b.size);
+        let end = d.offset.checked_add(u64::from(d.len));
+        if sub >= cts.n as usize || !end.is_some_and(|e| e <= size) {
+            self.counters.bad_remote_range += 1;
+            return Err(None);
+        }
+        let raddr = keys.addr[sub] + d.offset;
+        let rkey = keys.rkey[sub][rail.min(CTS_MAX_KEY_RAILS - 1)];
+        let laddr = (local.addr as u64) + off;
+        let lkey = local.keys[rail].lkey;
+        self.rails[rail].post_data(q, laddr, lkey, n as u32, raddr, rkey, d.psn, &self.txbuf[..DATA_HEADER_LEN]).map_err(Some)
+    }
+
+    fn post_cts(&mut self, rail: usize, q: usize, len: usize) -> Result<(), Option<PostFail>> {
+        let Ok(mut c) = CtsPacket::new_checked(&self.txbuf[..len]).and_then(|p| CtsRepr::parse(&p)) else { return Err(None) };
+        if let Some(mems) = self.recv_seq.get(&c.cts_seq).and_then(|m| self.mem.get(m)) {
+            let mut k = CtsKeys { rails: self.rails.len() as u8, ..CtsKeys::default() };
+            for (i, m) in mems.iter().enumerate().take(c.n as usize) {
+                k.addr[i] = m.addr as u64;
+                for (r, key) in m.keys.iter().enumerate().take(CTS_MAX_KEY_RAILS) {
+                    k.rkey[i][r] = key.rkey;
+                }
+            }
+            c.keys = Some(k);
+            self.counters.keyed_cts_sent += 1;
+        }
+        let n = c.buffer_len();
+        c.emit(&mut CtsPacket::new_unchecked(&mut self.ctsbuf[..n]));
+        self.rails[rail].post_send(q, &self.ctsbuf[..n]).map_err(Some)
+    }
+
+    /// Per-rail, per-QP counters.
+    pub fn stats(&self) -> serde_json::Value {
+        let rails: Vec<serde_json::Value> = self
+            .rails
+            .iter()
+            .map(|s| {
+                let qps: Vec<QpStats> = s.stats();
+                serde_json::json!({ "device": s.device().name, "qps": qps })
+            })
+            .collect();
+        serde_json::json!({ "counters": self.counters, "rails": rails })
+    }
+}
+
+/// A keyed CTS, parsed (None for anything else).
+fn keyed_cts(b: &[u8]) -> Option<CtsRepr> {
+    let h = Header::new_checked(b).ok()?;
+    if h.packet_type().ok()? != PacketType::Cts {
+        return None;
+    }
+    CtsPacket::new_checked(b).and_then(|p| CtsRepr::parse(&p)).ok().filter(|c| c.keys.is_some())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn handshake_block_round_trips_and_rejects_garbage() {
+        let peers = vec![
+            RailPeer { gid: [1; 16], qps: vec![(0x11, 5), (0x12, 6)] },
+            RailPeer { gid: [2; 16], qps: vec![(0x21, 7), (0x22, 8)] },
+        ];
+        let b = encode_peers(&peers);
+        assert_eq!(decode_peers(&b).unwrap(), peers);
+        assert!(decode_peers(&b[..b.len() - 1]).is_err());
+        let mut long = b.clone();
+        long.push(0);
+        assert!(decode_peers(&long).is_err());
+        assert!(decode_peers(&[]).is_err());
+    }
+}
