@@ -166,17 +166,23 @@ boot_scenario() {
   wall=$(elapsed "$t0")
 
   verdict=false
+  # The console file is complete once qemu is gone; on a loaded host the last lines were once seen missing
+  # at this point, so the end marker gets a few seconds before "never finished" is concluded.
+  local n=0
+  while [ "$timed_out" = false ] && ! grep -aq "@@PRISM-END scenario=$name" "$dir/console.log" 2>/dev/null && [ "$n" -lt 5 ]; do
+    sync; sleep 1; n=$((n + 1))
+  done
   if [ "$timed_out" = true ]; then
     error="guest did not finish within ${BOOT_TIMEOUT}s"
   elif [ "$rc" -ne 0 ]; then
     error="qemu exited with status $rc (see $name/qemu.log)"
   elif grep -q '@@PRISM-FATAL' "$dir/console.log"; then
     error="$(grep -m1 '@@PRISM-FATAL' "$dir/console.log" | tr -d '\r')"
-  elif ! grep -q "@@PRISM-END scenario=$name" "$dir/console.log"; then
+  elif ! grep -aq "@@PRISM-END scenario=$name" "$dir/console.log"; then
     error="the guest never finished the scenario (see $name/console.log)"
   elif [ ! -f "$dir/result.json" ] || ! jq -e . "$dir/result.json" >/dev/null 2>&1; then
     error="the guest wrote no valid result.json"
-  elif grep -q "@@PRISM-END scenario=$name rc=0 " "$dir/console.log" && jq -e '.pass == true' "$dir/result.json" >/dev/null; then
+  elif grep -aq "@@PRISM-END scenario=$name rc=0 " "$dir/console.log" && jq -e '.pass == true' "$dir/result.json" >/dev/null; then
     verdict=true
   else
     error="$(jq -r '[.checks[] | select(.ok == false) | .name + ": " + .detail] | join("; ")' "$dir/result.json")"
