@@ -432,6 +432,9 @@ struct Qp {
     slots_in_flight: usize,
     next_slot: usize,
     pending: Option<PendingWrite>,
+    /// PSNs of the WRITEs posted and not yet completed locally, in posting order (a send queue
+    /// completes in order).
+    write_psns: std::collections::VecDeque<u64>,
     stats: QpStats,
 }
 
@@ -557,7 +560,16 @@ impl QpSet {
             let fl = flow_label(fl_base, i as u16);
             let stats = QpStats { qpn: qp.qp_number(), flow_label: fl, udp_sport: udp_sport(fl), ..QpStats::default() };
             let psn = rand::random::<u32>() & 0xFF_FFFF;
-            qps.push(Qp { qp, psn, wrs_in_flight: 0, slots_in_flight: 0, next_slot: 0, pending: None, stats });
+            qps.push(Qp {
+                qp,
+                psn,
+                wrs_in_flight: 0,
+                slots_in_flight: 0,
+                next_slot: 0,
+                pending: None,
+                write_psns: std::collections::VecDeque::new(),
+                stats,
+            });
         }
         let mut set = Self { qps, send_cq, recv_cq, send_ring, recv_ring, dev: dev.clone(), rc, connected: false };
         for q in 0..n {
@@ -707,14 +719,16 @@ impl QpSet {
         }
         qp.wrs_in_flight += 2;
         qp.slots_in_flight += 1;
+        qp.write_psns.push_back(psn);
         qp.stats.writes += 1;
         qp.stats.write_bytes += u64::from(len);
         qp.stats.sends += 1;
         Ok(())
     }
 
-    /// Reap send completions (frees slots; an error completion kills its QP).
-    pub fn poll_send(&mut self) {
+    /// Reap send completions (frees slots; an error completion kills its QP); `write_done` gets the
+    /// PSN of every WRITE that completed (successfully or not: either way the NIC is done with it).
+    pub fn poll_send(&mut self, mut write_done: impl FnMut(u64)) {
         loop {
             let Ok(poller) = self.send_cq.start_poll() else { return };
             let mut n = 0;
@@ -725,6 +739,8 @@ impl QpSet {
                 qp.wrs_in_flight = qp.wrs_in_flight.saturating_sub(1);
                 if kind == KIND_SLOT {
                     qp.slots_in_flight = qp.slots_in_flight.saturating_sub(1);
+                } else if let Some(psn) = qp.write_psns.pop_front() {
+                    write_done(psn);
                 }
                 if wc.status() != WorkCompletionStatus::Success as u32 {
                     qp.stats.errors += 1;
@@ -815,7 +831,7 @@ impl QpSet {
 
     /// Is QP `q` dead?
     pub fn is_dead(&self, q: usize) -> bool {
-        self.qps.get(q).map_or(true, |q| q.stats.dead)
+        self.qps.get(q).is_none_or(|q| q.stats.dead)
     }
 
     /// Counters of every QP.

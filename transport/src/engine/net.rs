@@ -309,7 +309,12 @@ impl Net {
                     mtu: d.mtu_bytes,
                     pci_path: None,
                 };
-                min_dgram = min_dgram.min(wire::MAX_HEADER_LEN + cfg.ib_chunk as usize);
+                // One WRITE never spans two lb chunks: the path policy places a packet by the chunk
+                // its offset falls in, so packets that cover several chunks would all follow the
+                // first one's rail (with 64 KiB packets over 32 KiB chunks, every packet started on
+                // an even chunk and one rail carried everything).
+                let payload = cfg.ib_chunk.min(lb.chunk_bytes.max(1024)) as usize;
+                min_dgram = min_dgram.min(wire::MAX_HEADER_LEN + payload);
                 let addr = d.ipv4;
                 rails.push(Arc::new(Rail::new(info, None, Some(Arc::new(d)), addr, min_dgram)));
             }

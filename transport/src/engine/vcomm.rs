@@ -54,6 +54,8 @@ pub(crate) struct VerbsCounters {
     pub keyed_cts_sent: u64,
     /// Keyed CTS received.
     pub keyed_cts_received: u64,
+    /// Retransmissions not posted because an earlier copy of the same PSN was still in a send queue.
+    pub retx_held: u64,
 }
 
 /// Registered ranges of one buffer: (addr, len) and its keys per rail.
@@ -74,6 +76,10 @@ pub(crate) struct VerbsComm {
     mem: HashMap<MsgId, Vec<BufMem>>,
     txbuf: Vec<u8>,
     ctsbuf: Vec<u8>,
+    /// WRITEs per PSN posted and not completed locally. A retransmission waits until none is left:
+    /// an older copy still queued could otherwise land after the receive completed and its buffer was
+    /// reused (an RDMA WRITE is placed before anybody can check it).
+    writes_out: HashMap<u64, u32>,
     pub counters: VerbsCounters,
 }
 
@@ -133,6 +139,7 @@ impl VerbsComm {
             mem: HashMap::new(),
             txbuf: vec![0u8; DATA_HEADER_LEN + max_payload],
             ctsbuf: vec![0u8; SLOT_BYTES],
+            writes_out: HashMap::new(),
             counters: VerbsCounters::default(),
         })
     }
@@ -212,10 +219,17 @@ impl VerbsComm {
 
     /// Reap completions and feed every received packet to `conn`.
     pub fn poll(&mut self, conn: &mut Connection, now: u64) {
-        let Self { rails, remote, counters, .. } = self;
+        let Self { rails, remote, counters, writes_out, .. } = self;
         let nrails = rails.len();
         for set in rails.iter_mut() {
-            set.poll_send();
+            set.poll_send(|psn| {
+                if let Some(n) = writes_out.get_mut(&psn) {
+                    *n -= 1;
+                    if *n == 0 {
+                        writes_out.remove(&psn);
+                    }
+                }
+            });
             set.check_states();
             set.poll_recv(|ev| match ev {
                 RxEvent::Placed(h) => conn.handle_placed_data(h, now),
@@ -285,15 +299,21 @@ impl VerbsComm {
         // proto checked this against the CTS it parsed; check again before the NIC writes remote memory.
         let size = cts.bufs().get(sub).map_or(0, |b| b.size);
         let end = d.offset.checked_add(u64::from(d.len));
-        if sub >= cts.n as usize || !end.is_some_and(|e| e <= size) {
+        if sub >= cts.n as usize || end.is_none_or(|e| e > size) {
             self.counters.bad_remote_range += 1;
+            return Err(None);
+        }
+        if d.retx && self.writes_out.contains_key(&d.psn) {
+            self.counters.retx_held += 1;
             return Err(None);
         }
         let raddr = keys.addr[sub] + d.offset;
         let rkey = keys.rkey[sub][rail.min(CTS_MAX_KEY_RAILS - 1)];
         let laddr = (local.addr as u64) + off;
         let lkey = local.keys[rail].lkey;
-        self.rails[rail].post_data(q, laddr, lkey, n as u32, raddr, rkey, d.psn, &self.txbuf[..DATA_HEADER_LEN]).map_err(Some)
+        self.rails[rail].post_data(q, laddr, lkey, n as u32, raddr, rkey, d.psn, &self.txbuf[..DATA_HEADER_LEN]).map_err(Some)?;
+        *self.writes_out.entry(d.psn).or_insert(0) += 1;
+        Ok(())
     }
 
     fn post_cts(&mut self, rail: usize, q: usize, len: usize) -> Result<(), Option<PostFail>> {
