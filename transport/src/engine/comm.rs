@@ -196,8 +196,25 @@ impl CommCore {
         if self.conn.poll_timeout().is_some_and(|t| t <= now) {
             self.conn.handle_timeout(now);
         }
+        let mut comps: Vec<Completion> = std::iter::from_fn(|| self.conn.poll_completion()).collect();
+        if let Some(v) = self.verbs.as_mut() {
+            // On verbs a receive is reported only once the sender said that none of its WRITEs can
+            // still land in the buffer (FENCE); sends tell the receiver so.
+            comps = comps
+                .into_iter()
+                .filter_map(|c| match c {
+                    Completion::Sent { msg, len } => {
+                        v.sent(msg);
+                        Some(Completion::Sent { msg, len })
+                    }
+                    Completion::Received { msg, sizes } => v.received(msg, sizes, now).map(|sizes| Completion::Received { msg, sizes }),
+                    other => Some(other),
+                })
+                .collect();
+            comps.extend(v.released(now).into_iter().map(|(msg, sizes)| Completion::Received { msg, sizes }));
+        }
         self.transmit(now);
-        while let Some(c) = self.conn.poll_completion() {
+        for c in comps {
             let (msg, outcome) = match c {
                 Completion::Sent { msg, len } => {
                     if let Some(sent_us) = self.posted_at.remove(&msg) {

@@ -7,13 +7,52 @@
 //! proto's CTS is re-emitted with the buffers' registered addresses and per-rail rkeys; a header whose
 //! WRITE arrived goes to `Connection::handle_placed_data`, every other packet to `handle_datagram`.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 use std::sync::Arc;
 
 use super::TransportError;
 use crate::backend::verbs::{MrKeys, PostFail, QpSet, QpStats, RailPeer, RxEvent, VerbsDevice, SLOT_BYTES};
 use crate::proto::{Connection, MsgId, PayloadSource, Placer};
 use crate::wire::{CtsKeys, CtsPacket, CtsRepr, DataPacket, DataRepr, Header, PacketType, CTS_MAX_KEY_RAILS, DATA_HEADER_LEN};
+
+/// FENCE packets (engine level, never given to proto): `magic "PFNC"`, kind (1 = FENCE: no WRITE to
+/// this buffer is left in the sender's queues; 2 = FENCE_REQ: the receiver asks again), sub, 2 bytes 0,
+/// cts_seq (u64, big-endian).
+const FENCE_MAGIC: &[u8; 4] = b"PFNC";
+const FENCE_LEN: usize = 16;
+const FENCE: u8 = 1;
+const FENCE_REQ: u8 = 2;
+/// The receiver asks again for a FENCE it has waited this long for (µs).
+const FENCE_REQ_US: u64 = 20_000;
+/// ... and gives up waiting after this long (µs): a peer that answers nothing writes nothing either.
+const FENCE_GIVE_UP_US: u64 = 2_000_000;
+/// FENCEs the sender remembers (to answer repeated requests).
+const FENCES_KEPT: usize = 4096;
+
+fn fence_packet(kind: u8, cts_seq: u64, sub: u8) -> [u8; FENCE_LEN] {
+    let mut b = [0u8; FENCE_LEN];
+    b[..4].copy_from_slice(FENCE_MAGIC);
+    b[4] = kind;
+    b[5] = sub;
+    b[8..16].copy_from_slice(&cts_seq.to_be_bytes());
+    b
+}
+
+fn parse_fence(b: &[u8]) -> Option<(u8, u64, u8)> {
+    if b.len() != FENCE_LEN || &b[..4] != FENCE_MAGIC || !matches!(b[4], FENCE | FENCE_REQ) {
+        return None;
+    }
+    Some((b[4], u64::from_be_bytes(b[8..16].try_into().ok()?), b[5]))
+}
+
+/// A receive proto finished whose completion waits for the sender's FENCEs.
+struct Held {
+    msg: MsgId,
+    sizes: Vec<u64>,
+    need: Vec<(u64, u8)>,
+    since: u64,
+    asked: u64,
+}
 
 /// Most packets one transmit call posts (keeps test() short).
 const MAX_TX: usize = 256;
@@ -56,6 +95,16 @@ pub(crate) struct VerbsCounters {
     pub keyed_cts_received: u64,
     /// Retransmissions not posted because an earlier copy of the same PSN was still in a send queue.
     pub retx_held: u64,
+    /// FENCEs sent (sender) and received (receiver).
+    pub fences_sent: u64,
+    /// FENCEs received.
+    pub fences_received: u64,
+    /// FENCE requests sent (receiver waited more than 20 ms).
+    pub fence_requests: u64,
+    /// Receives completed without their FENCE after 2 s.
+    pub fence_give_ups: u64,
+    /// Receives whose completion waited for a FENCE.
+    pub receives_held: u64,
 }
 
 /// Registered ranges of one buffer: (addr, len) and its keys per rail.
@@ -80,6 +129,20 @@ pub(crate) struct VerbsComm {
     /// an older copy still queued could otherwise land after the receive completed and its buffer was
     /// reused (an RDMA WRITE is placed before anybody can check it).
     writes_out: HashMap<u64, u32>,
+    /// Sender: the buffer (cts_seq, sub) each outstanding PSN writes into, WRITEs left per buffer,
+    /// the buffer of each send, buffers whose FENCE waits for their WRITEs, FENCEs sent.
+    psn_target: HashMap<u64, (u64, u8)>,
+    writes_to: HashMap<(u64, u8), u32>,
+    msg_target: HashMap<MsgId, (u64, u8)>,
+    fence_wait: HashSet<(u64, u8)>,
+    fenced: VecDeque<(u64, u8)>,
+    fence_out: VecDeque<[u8; FENCE_LEN]>,
+    fence_rr: usize,
+    /// Sends done whose registrations wait for their last WRITE to leave the send queue.
+    release_later: HashMap<(u64, u8), MsgId>,
+    /// Receiver: FENCEs received, and the receives waiting for theirs.
+    fences_got: HashSet<(u64, u8)>,
+    held: Vec<Held>,
     pub counters: VerbsCounters,
 }
 
@@ -140,6 +203,16 @@ impl VerbsComm {
             txbuf: vec![0u8; DATA_HEADER_LEN + max_payload],
             ctsbuf: vec![0u8; SLOT_BYTES],
             writes_out: HashMap::new(),
+            psn_target: HashMap::new(),
+            writes_to: HashMap::new(),
+            msg_target: HashMap::new(),
+            fence_wait: HashSet::new(),
+            fenced: VecDeque::new(),
+            fence_out: VecDeque::new(),
+            fence_rr: 0,
+            release_later: HashMap::new(),
+            fences_got: HashSet::new(),
+            held: Vec::new(),
             counters: VerbsCounters::default(),
         })
     }
@@ -207,8 +280,16 @@ impl VerbsComm {
         }
     }
 
-    /// Message `msg` is done: drop its registrations.
+    /// Message `msg` is done: drop its registrations (for a send with WRITEs still queued, once they
+    /// have left).
     pub fn release(&mut self, msg: MsgId) {
+        if self.release_later.values().any(|m| *m == msg) {
+            return;
+        }
+        self.release_now(msg);
+    }
+
+    fn release_now(&mut self, msg: MsgId) {
         if let Some(mems) = self.mem.remove(&msg) {
             for m in &mems {
                 self.release_mem(m);
@@ -219,21 +300,20 @@ impl VerbsComm {
 
     /// Reap completions and feed every received packet to `conn`.
     pub fn poll(&mut self, conn: &mut Connection, now: u64) {
-        let Self { rails, remote, counters, writes_out, .. } = self;
+        let mut done_psns = Vec::new();
+        let mut fences = Vec::new();
+        let Self { rails, remote, counters, .. } = self;
         let nrails = rails.len();
         for set in rails.iter_mut() {
-            set.poll_send(|psn| {
-                if let Some(n) = writes_out.get_mut(&psn) {
-                    *n -= 1;
-                    if *n == 0 {
-                        writes_out.remove(&psn);
-                    }
-                }
-            });
+            set.poll_send(|psn| done_psns.push(psn));
             set.check_states();
             set.poll_recv(|ev| match ev {
                 RxEvent::Placed(h) => conn.handle_placed_data(h, now),
                 RxEvent::Packet(b) => {
+                    if let Some(f) = parse_fence(b) {
+                        fences.push(f);
+                        return;
+                    }
                     if let Some(c) = keyed_cts(b) {
                         if c.keys.is_some_and(|k| k.rails as usize == nrails) {
                             counters.keyed_cts_received += 1;
@@ -247,10 +327,143 @@ impl VerbsComm {
                 }
             });
         }
+        for psn in done_psns {
+            self.write_done(psn);
+        }
+        for (kind, cts_seq, sub) in fences {
+            if kind == FENCE {
+                self.counters.fences_received += 1;
+                self.fences_got.insert((cts_seq, sub));
+            } else if self.fenced.contains(&(cts_seq, sub)) {
+                self.fence_out.push_back(fence_packet(FENCE, cts_seq, sub));
+            }
+        }
+    }
+
+    /// A WRITE of `psn` left the send queue.
+    fn write_done(&mut self, psn: u64) {
+        let Some(n) = self.writes_out.get_mut(&psn) else { return };
+        *n -= 1;
+        if *n > 0 {
+            return;
+        }
+        self.writes_out.remove(&psn);
+        let Some(t) = self.psn_target.remove(&psn) else { return };
+        let left = self.writes_to.get_mut(&t).map(|n| {
+            *n -= 1;
+            *n
+        });
+        if left == Some(0) {
+            self.writes_to.remove(&t);
+            if self.fence_wait.remove(&t) {
+                self.fence(t);
+                if let Some(m) = self.release_later.remove(&t) {
+                    self.release_now(m);
+                }
+            }
+        }
+    }
+
+    /// Tell the receiver that no WRITE into buffer `t` is left on this side.
+    fn fence(&mut self, t: (u64, u8)) {
+        self.fenced.push_back(t);
+        while self.fenced.len() > FENCES_KEPT {
+            self.fenced.pop_front();
+        }
+        self.fence_out.push_back(fence_packet(FENCE, t.0, t.1));
+    }
+
+    /// Proto completed send `msg` (every byte acknowledged): its FENCE goes out once none of its
+    /// WRITEs is left in a send queue.
+    pub fn sent(&mut self, msg: MsgId) {
+        let Some(t) = self.msg_target.remove(&msg) else { return };
+        if self.writes_to.get(&t).is_some_and(|&n| n > 0) {
+            self.fence_wait.insert(t);
+            self.release_later.insert(t, msg);
+        } else {
+            self.fence(t);
+        }
+    }
+
+    /// Proto completed receive `msg`: `Some(sizes)` to report now, or `None` while a FENCE from the
+    /// sender is missing (a stale WRITE could still land; the buffer must not go back to NCCL yet).
+    pub fn received(&mut self, msg: MsgId, sizes: Vec<u64>, now: u64) -> Option<Vec<u64>> {
+        let Some(cts_seq) = self.recv_seq.iter().find(|(_, m)| **m == msg).map(|(s, _)| *s) else { return Some(sizes) };
+        let need: Vec<(u64, u8)> = sizes
+            .iter()
+            .enumerate()
+            .filter(|&(_, &n)| n > 0)
+            .map(|(i, _)| (cts_seq, i as u8))
+            .filter(|t| !self.fences_got.remove(t))
+            .collect();
+        if need.is_empty() {
+            return Some(sizes);
+        }
+        self.counters.receives_held += 1;
+        self.held.push(Held { msg, sizes, need, since: now, asked: now });
+        None
+    }
+
+    /// Held receives whose FENCEs arrived (or that waited too long); asks again for missing ones.
+    pub fn released(&mut self, now: u64) -> Vec<(MsgId, Vec<u64>)> {
+        let mut out = Vec::new();
+        let mut i = 0;
+        while i < self.held.len() {
+            let h = &mut self.held[i];
+            let got = &mut self.fences_got;
+            h.need.retain(|t| !got.remove(t));
+            let give_up = now.saturating_sub(h.since) > FENCE_GIVE_UP_US;
+            if h.need.is_empty() || give_up {
+                if give_up && !h.need.is_empty() {
+                    self.counters.fence_give_ups += 1;
+                    tracing::warn!(cts_seq = h.need[0].0, "no FENCE from the sender after 2 s: completing the receive anyway");
+                }
+                let h = self.held.swap_remove(i);
+                out.push((h.msg, h.sizes));
+                continue;
+            }
+            if now.saturating_sub(h.asked) > FENCE_REQ_US {
+                h.asked = now;
+                for &(c, s) in &h.need {
+                    self.fence_out.push_back(fence_packet(FENCE_REQ, c, s));
+                    self.counters.fence_requests += 1;
+                }
+            }
+            i += 1;
+        }
+        out
+    }
+
+    /// Send queued FENCE packets on a live QP (rotating over rails and QPs).
+    fn flush_fences(&mut self) {
+        let total = self.rails.len() * self.paths as usize;
+        while let Some(f) = self.fence_out.front().copied() {
+            let mut posted = false;
+            for _ in 0..total {
+                let k = self.fence_rr % total;
+                self.fence_rr = self.fence_rr.wrapping_add(1);
+                let (r, q) = (k / self.paths as usize, k % self.paths as usize);
+                if self.rails[r].is_dead(q) {
+                    continue;
+                }
+                if self.rails[r].post_send(q, &f).is_ok() {
+                    posted = true;
+                    break;
+                }
+            }
+            if !posted {
+                return;
+            }
+            if f[4] == FENCE {
+                self.counters.fences_sent += 1;
+            }
+            self.fence_out.pop_front();
+        }
     }
 
     /// Post what proto wants to send.
     pub fn transmit(&mut self, conn: &mut Connection, now: u64) {
+        self.flush_fences();
         let mut rec = Recorder::default();
         for _ in 0..MAX_TX {
             rec.last = None;
@@ -312,7 +525,12 @@ impl VerbsComm {
         let laddr = (local.addr as u64) + off;
         let lkey = local.keys[rail].lkey;
         self.rails[rail].post_data(q, laddr, lkey, n as u32, raddr, rkey, d.psn, &self.txbuf[..DATA_HEADER_LEN]).map_err(Some)?;
+        let t = (d.cts_seq, d.sub);
         *self.writes_out.entry(d.psn).or_insert(0) += 1;
+        if self.psn_target.insert(d.psn, t).is_none() {
+            *self.writes_to.entry(t).or_insert(0) += 1;
+        }
+        self.msg_target.insert(msg, t);
         Ok(())
     }
 
@@ -360,6 +578,22 @@ fn keyed_cts(b: &[u8]) -> Option<CtsRepr> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn fence_packets_round_trip_and_nothing_else_parses_as_one() {
+        let f = fence_packet(FENCE, 0x0102_0304_0506_0708, 7);
+        assert_eq!(parse_fence(&f), Some((FENCE, 0x0102_0304_0506_0708, 7)));
+        assert_eq!(parse_fence(&fence_packet(FENCE_REQ, 3, 0)), Some((FENCE_REQ, 3, 0)));
+        assert_eq!(parse_fence(&f[..FENCE_LEN - 1]), None);
+        let mut bad = f;
+        bad[4] = 9;
+        assert_eq!(parse_fence(&bad), None);
+        // A proto packet starts with its version byte (1), never with the magic.
+        let mut ctl = [0u8; crate::wire::CONTROL_LEN];
+        crate::wire::ControlRepr { token: 1, cts_ack: 0, kind: crate::wire::ControlKind::Ack, entropy: 0, ts_us: 0, cum_psn: 0 }
+            .emit(&mut crate::wire::ControlPacket::new_unchecked(&mut ctl[..]));
+        assert_eq!(parse_fence(&ctl), None);
+    }
 
     #[test]
     fn handshake_block_round_trips_and_rejects_garbage() {
