@@ -50,6 +50,7 @@ install_fabric() {
 
 # Everything the build and the tests need on a fresh Debian machine.
 install_all() {
-  need_debs build-essential pkg-config iproute2 ca-certificates
+  # cmake + libclang-dev: the verbs backend's sideway crate (bindgen over vendored rdma-core headers).
+  need_debs build-essential pkg-config iproute2 ca-certificates cmake libclang-dev
   need_rust
 }

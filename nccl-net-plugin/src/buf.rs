@@ -66,6 +66,10 @@ impl SendBuf for HostSendBuf {
         self.len
     }
 
+    fn addr(&self) -> Option<usize> {
+        Some(self.ptr as usize)
+    }
+
     fn read(&self, offset: usize, out: &mut [u8]) {
         check_range("read", offset, out.len(), self.len);
         if out.is_empty() {
@@ -81,6 +85,10 @@ impl SendBuf for HostSendBuf {
 impl RecvBuf for HostRecvBuf {
     fn len(&self) -> usize {
         self.len
+    }
+
+    fn addr(&self) -> Option<usize> {
+        Some(self.ptr as usize)
     }
 
     fn write(&mut self, offset: usize, data: &[u8]) {

@@ -378,6 +378,19 @@ unsafe fn check_data_comm(comm: *mut c_void) -> Result<(), PluginError> {
     unsafe { Tagged::<RecvObj>::from_ptr(comm, "comm") }.map(drop)
 }
 
+/// The engine a data comm belongs to.
+///
+/// # Safety
+/// As for `check_data_comm`.
+unsafe fn data_comm_net(comm: *mut c_void) -> Result<std::sync::Arc<crate::global::NetState>, PluginError> {
+    // SAFETY: forwarded contract.
+    if let Ok(s) = unsafe { Tagged::<SendObj>::from_ptr(comm, "comm") } {
+        return Ok(s.net.clone());
+    }
+    // SAFETY: forwarded contract.
+    unsafe { Tagged::<RecvObj>::from_ptr(comm, "comm") }.map(|r| r.net.clone())
+}
+
 /// Shared body of `regMr` and `regMrDmaBuf`.
 ///
 /// # Safety
@@ -387,7 +400,9 @@ unsafe fn register(comm: *mut c_void, data: *mut c_void, size: usize, kind: c_in
     let out = unsafe { out_ptr(mhandle, "mhandle") }?;
     // SAFETY: forwarded contract.
     unsafe { check_data_comm(comm) }?;
-    let region = MemRegion::register(data as usize, size, kind)?;
+    let mut region = MemRegion::register(data as usize, size, kind)?;
+    // SAFETY: forwarded contract (checked just above to be one of our comms).
+    region.register_with(unsafe { data_comm_net(comm) }?)?;
     *out = Tagged::into_raw(region);
     Ok(())
 }

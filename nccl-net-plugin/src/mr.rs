@@ -1,7 +1,9 @@
 //! Memory registration (`regMr`, `regMrDmaBuf`, `deregMr`).
 //!
 //! The UDP engine copies through the CPU, so registering host memory only records the range; the
-//! handle lets `isend`/`irecv` check that a buffer lies inside memory NCCL registered. GPU memory needs
+//! handle lets `isend`/`irecv` check that a buffer lies inside memory NCCL registered. On the verbs
+//! backend the range is also registered with every RDMA device (through the engine's cache, shared
+//! by repeated registrations of one buffer) and deregistered when the handle is dropped. GPU memory needs
 //! GPUDirect RDMA, which this build does not have: such registrations fail with a clear reason (the
 //! device properties do not announce `NCCL_PTR_CUDA`, so NCCL only asks during its GDR probe).
 
@@ -10,10 +12,28 @@ use crate::error::{invalid, PluginError};
 use crate::handle::Kind;
 
 /// A registered range of host memory.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug)]
 pub struct MemRegion {
     base: usize,
     len: usize,
+    engine: Option<EngineMr>,
+}
+
+/// The engine that registered the range with its RDMA devices (verbs backend).
+pub struct EngineMr(pub std::sync::Arc<crate::global::NetState>);
+
+impl std::fmt::Debug for EngineMr {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("EngineMr")
+    }
+}
+
+impl Drop for MemRegion {
+    fn drop(&mut self) {
+        if let Some(EngineMr(net)) = &self.engine {
+            net.net.dereg_mr(self.base, self.len);
+        }
+    }
 }
 
 impl Kind for MemRegion {
@@ -39,7 +59,18 @@ impl MemRegion {
         if data.checked_add(len).is_none() {
             return Err(invalid(format!("regMr range {data:#x} + {len} wraps around the address space")));
         }
-        Ok(Self { base: data, len })
+        Ok(Self { base: data, len, engine: None })
+    }
+
+    /// Register the range with the engine's RDMA devices (verbs backend; nothing on UDP). The memory
+    /// must stay mapped until this region is dropped, as NCCL's contract for `regMr` promises.
+    pub fn register_with(&mut self, net: std::sync::Arc<crate::global::NetState>) -> Result<(), PluginError> {
+        if net.net.backend() != "verbs" || self.len == 0 {
+            return Ok(());
+        }
+        net.net.reg_mr(self.base, self.len)?;
+        self.engine = Some(EngineMr(net));
+        Ok(())
     }
 
     /// Checks that `data..data + len` lies inside the region. An empty range is always fine: nothing of

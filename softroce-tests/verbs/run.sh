@@ -7,7 +7,8 @@
 #   --bin-dir DIR    where prism-perf and libnccl-net-prism.so are (default: $CARGO_TARGET_DIR/release,
 #                    else target/release of this repository)
 #   --no-build       do not run `cargo build --release` for the Prism binaries first
-#   --scenarios L    comma-separated subset of: perftest capture prism-udp failure (default: all)
+#   --scenarios L    comma-separated subset of: perftest capture prism-udp failure proxy-verbs perf-verbs
+#                    capture-verbs failure-verbs fabric-2vm (default: all)
 #   --guest-env K=V  set K=V in the scenario's environment (repeatable; e.g. IFNAME=lo, PRISM_PATHS=8)
 #   --timeout S      per-boot limit in seconds (default 600); a guest that outlives it is killed and
 #                    its scenario fails
@@ -22,11 +23,15 @@ REPO="$(cd "$VERBS_DIR/../.." && pwd)"
 # PRISM_VM_CACHE moves the image cache (e.g. somewhere that outlives a fresh CI clone).
 CACHE_DIR="${PRISM_VM_CACHE:-$REPO/softroce-tests/.cache}"
 OUT_DIR="$REPO/target/softroce"
-ALL_SCENARIOS="perftest capture prism-udp failure"
+ALL_SCENARIOS="perftest capture prism-udp failure proxy-verbs perf-verbs capture-verbs failure-verbs fabric-2vm"
+# Scenarios that run Prism (they need the host-built binaries).
+PRISM_SCENARIOS="prism-udp proxy-verbs perf-verbs capture-verbs failure-verbs fabric-2vm"
 # shellcheck source=lib/common.sh
 . "$VERBS_DIR/lib/common.sh"
 # shellcheck source=lib/image.sh
 . "$VERBS_DIR/lib/image.sh"
+# shellcheck source=lib/fabric.sh
+. "$VERBS_DIR/lib/fabric.sh"
 
 BIN_DIR=""
 BUILD=1
@@ -42,7 +47,7 @@ while [ $# -gt 0 ]; do
     --guest-env)
       printf '%s' "$2" | grep -Eq '^[A-Za-z_][A-Za-z0-9_]*=[^ ]*$' || die "--guest-env wants NAME=VALUE without spaces, got '$2'"
       GUEST_ENV="$GUEST_ENV prism.env=$2"; shift 2 ;;
-    -h|--help) sed -n '2,19p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,20p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) die "unknown argument '$1' (see --help)" ;;
   esac
 done
@@ -63,6 +68,7 @@ cleanup() {
     sleep 1
     kill -9 "$QEMU_PID" 2>/dev/null || true
   fi
+  fabric_cleanup
   [ -n "$BUILD_TMP" ] && rm -rf "$BUILD_TMP"
   [ -n "$RUN_TMP" ] && rm -rf "$RUN_TMP"
   return 0
@@ -74,7 +80,7 @@ trap 'exit 130' INT TERM
 T_START=$(now_s)
 
 # --- host tools -----------------------------------------------------------------------------------
-need_debs qemu-system-x86 cpio jq debootstrap binutils
+need_debs qemu-system-x86 cpio jq debootstrap binutils gcc libc6-dev iproute2
 command -v qemu-system-x86_64 >/dev/null || die "qemu-system-x86_64 not found after installing qemu-system-x86"
 
 # --- guest image (cached) -------------------------------------------------------------------------
@@ -84,7 +90,8 @@ ensure_image
 IMAGE_SECONDS=$(elapsed "$T_IMG")
 
 # --- Prism binaries ---------------------------------------------------------------------------------
-case " $SCENARIOS " in *" prism-udp "*) NEED_PRISM=1 ;; *) NEED_PRISM=0 ;; esac
+NEED_PRISM=0
+for s in $SCENARIOS; do case " $PRISM_SCENARIOS " in *" $s "*) NEED_PRISM=1 ;; esac; done
 if [ "$NEED_PRISM" -eq 1 ] && [ "$BUILD" -eq 1 ]; then
   command -v cargo >/dev/null || { [ -x "$HOME/.cargo/bin/cargo" ] && PATH="$HOME/.cargo/bin:$PATH"; }
   command -v cargo >/dev/null || die "cargo not found: install Rust, or build elsewhere and pass --bin-dir with --no-build"
@@ -104,6 +111,11 @@ install -m 0755 "$VERBS_DIR/guest/init" "$ov/init"
 cp "$VERBS_DIR/guest/lib.sh" "$ov/prism/lib.sh"
 cp "$VERBS_DIR"/scenarios/*.sh "$ov/prism/scenarios/"
 PRISM_BINS=""
+# The C program that plays NCCL's proxy (proxy-verbs), compiled as nccl-net-plugin/tests/c_proxy.rs does.
+if [ "$NEED_PRISM" -eq 1 ]; then
+  cc -std=c11 -O2 -Wall -Wextra -Werror -I "$REPO/include" "$REPO/tests-c/proxy_test.c" -o "$ov/opt/prism/proxy_test" -ldl \
+    || die "compiling tests-c/proxy_test.c failed"
+fi
 for f in prism-perf libnccl-net-prism.so; do
   if [ -f "$BIN_DIR/$f" ]; then
     # Debug info is most of the size and no use in the guest.
@@ -154,17 +166,23 @@ boot_scenario() {
   wall=$(elapsed "$t0")
 
   verdict=false
+  # The console file is complete once qemu is gone; on a loaded host the last lines were once seen missing
+  # at this point, so the end marker gets a few seconds before "never finished" is concluded.
+  local n=0
+  while [ "$timed_out" = false ] && ! grep -aq "@@PRISM-END scenario=$name" "$dir/console.log" 2>/dev/null && [ "$n" -lt 5 ]; do
+    sync; sleep 1; n=$((n + 1))
+  done
   if [ "$timed_out" = true ]; then
     error="guest did not finish within ${BOOT_TIMEOUT}s"
   elif [ "$rc" -ne 0 ]; then
     error="qemu exited with status $rc (see $name/qemu.log)"
   elif grep -q '@@PRISM-FATAL' "$dir/console.log"; then
     error="$(grep -m1 '@@PRISM-FATAL' "$dir/console.log" | tr -d '\r')"
-  elif ! grep -q "@@PRISM-END scenario=$name" "$dir/console.log"; then
+  elif ! grep -aq "@@PRISM-END scenario=$name" "$dir/console.log"; then
     error="the guest never finished the scenario (see $name/console.log)"
   elif [ ! -f "$dir/result.json" ] || ! jq -e . "$dir/result.json" >/dev/null 2>&1; then
     error="the guest wrote no valid result.json"
-  elif grep -q "@@PRISM-END scenario=$name rc=0 " "$dir/console.log" && jq -e '.pass == true' "$dir/result.json" >/dev/null; then
+  elif grep -aq "@@PRISM-END scenario=$name rc=0 " "$dir/console.log" && jq -e '.pass == true' "$dir/result.json" >/dev/null; then
     verdict=true
   else
     error="$(jq -r '[.checks[] | select(.ok == false) | .name + ": " + .detail] | join("; ")' "$dir/result.json")"
@@ -188,7 +206,7 @@ boot_scenario() {
 }
 
 for s in $SCENARIOS; do
-  boot_scenario "$s"
+  if [ "$s" = fabric-2vm ]; then fabric_2vm; else boot_scenario "$s"; fi
 done
 
 # --- results ----------------------------------------------------------------------------------------

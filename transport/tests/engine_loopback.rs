@@ -179,7 +179,7 @@ fn silent_peer(net: &Net) -> (SendComm, std::net::UdpSocket) {
     let udp = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
     let mut handle = [0u8; HANDLE_LEN];
     handle[0..4].copy_from_slice(b"PRSM");
-    handle[4] = 2;
+    handle[4] = 3;
     handle[6..8].copy_from_slice(&tcp.local_addr().unwrap().port().to_be_bytes());
     handle[8..12].copy_from_slice(&[127, 0, 0, 1]);
     handle[12..20].copy_from_slice(&77u64.to_be_bytes());
@@ -190,8 +190,8 @@ fn silent_peer(net: &Net) -> (SendComm, std::net::UdpSocket) {
         s.read_exact(&mut hello).unwrap();
         let mut reply = [0u8; 128];
         reply[0..4].copy_from_slice(b"PRSM");
-        reply[4] = 2;
-        reply[6] = 1;
+        reply[4] = 3;
+        reply[6] = 1; // one rail; byte 7 = 0: UDP backend; bytes 28..32 = 0: no verbs block
         reply[8..16].copy_from_slice(&77u64.to_be_bytes());
         reply[16..24].copy_from_slice(&0x5eed_u64.to_be_bytes());
         reply[32..36].copy_from_slice(&[127, 0, 0, 1]);

@@ -7,6 +7,9 @@
 # Claims: host binaries run unchanged in the guest; every size completes with #wrong = 0 both times;
 # the wire run's bytes crossed the veth. busbw is reported per size.
 . /prism/lib.sh
+# This scenario is about the UDP backend: with rxe devices present the plugin's default (auto) would pick
+# verbs, so the backend is named, and read back from PRISM_STATS.
+TRANSPORT=udp
 SIZES_FLAGS=${SIZES_FLAGS:-"-b 1M -e 16M -f 2"}
 ITER_FLAGS=${ITER_FLAGS:-"-n 3 -w 1"}   # correctness, not speed, is what TCG can show
 
@@ -25,7 +28,7 @@ now0=$(up)
 IFNAME=${IFNAME:-va}
 metric_str ifname "$IFNAME"
 # shellcheck disable=SC2086
-PRISM_IFNAMES=$IFNAME timeout 600 prism-perf all_reduce -N 2 $SIZES_FLAGS $ITER_FLAGS -c 1 -T 120 \
+PRISM_TRANSPORT=udp PRISM_IFNAMES=$IFNAME timeout 600 prism-perf all_reduce -N 2 $SIZES_FLAGS $ITER_FLAGS -c 1 -T 120 \
   --json "$OUT/prism-perf.json" >"$OUT/prism-perf.log" 2>&1
 rc=$?
 metric local_seconds "$(awk -v a="$now0" -v b="$(up)" 'BEGIN { printf "%.1f", b - a }')"
@@ -47,6 +50,7 @@ perf_results() {
   done </tmp/rows
 }
 perf_results local "$OUT/prism-perf.json"
+check_backend local "$OUT/prism-perf.json.rank0.stats.json" "$OUT/prism-perf.json.rank1.stats.json"
 
 # Both ranks share va's address, so the kernel keeps their datagrams on lo; recorded so the reader
 # sees which path the bytes took, with the kernel's UDP drop counters (receive buffer overflows).
@@ -67,11 +71,11 @@ n=0; while [ "$(cat /sys/class/net/va/carrier 2>/dev/null)" != 1 ] && [ "$n" -lt
 tx0=$(net_stat va tx_bytes); rx0=$(net_stat va rx_bytes)
 now0=$(up)
 # shellcheck disable=SC2086
-PRISM_IFNAMES=va timeout 600 prism-perf all_reduce --rank 0 --nranks 2 --rendezvous 10.9.0.1:29517 \
+PRISM_TRANSPORT=udp PRISM_IFNAMES=va timeout 600 prism-perf all_reduce --rank 0 --nranks 2 --rendezvous 10.9.0.1:29517 \
   $SIZES_FLAGS $ITER_FLAGS -c 1 -T 120 --json "$OUT/prism-perf-wire.json" >"$OUT/prism-perf-wire-rank0.log" 2>&1 &
 r0=$!
 # shellcheck disable=SC2086
-ip netns exec peer env PRISM_IFNAMES=vb timeout 600 prism-perf all_reduce --rank 1 --nranks 2 \
+ip netns exec peer env PRISM_TRANSPORT=udp PRISM_IFNAMES=vb timeout 600 prism-perf all_reduce --rank 1 --nranks 2 \
   --rendezvous 10.9.0.1:29517 $SIZES_FLAGS $ITER_FLAGS -c 1 -T 120 >"$OUT/prism-perf-wire-rank1.log" 2>&1
 rc1=$?
 wait "$r0"; rc0=$?
@@ -79,6 +83,7 @@ metric wire_seconds "$(awk -v a="$now0" -v b="$(up)" 'BEGIN { printf "%.1f", b -
 tail -n 8 "$OUT/prism-perf-wire-rank0.log" >&2
 [ "$rc0" -eq 0 ] && [ "$rc1" -eq 0 ]; check wire_prism_perf_exit_0 $? "rank 0 rc=$rc0, rank 1 rc=$rc1"
 perf_results wire "$OUT/prism-perf-wire.json"
+check_backend wire "$OUT/prism-perf-wire.json.rank0.stats.json"
 tx=$(( $(net_stat va tx_bytes) - tx0 )); rx=$(( $(net_stat va rx_bytes) - rx0 ))
 metric wire_va_tx_bytes "$tx"
 metric wire_va_rx_bytes "$rx"

@@ -9,6 +9,7 @@ use parking_lot::Mutex;
 
 use super::planned::{ChunkMap, Plans, SharedRate};
 use super::rail::{Datagram, Inbox};
+use super::vcomm::VerbsComm;
 use super::net::NetInner;
 use super::{RecvBuf, ReqId, SendBuf, TransportError, MAX_RECVS};
 use crate::backend::udp::BATCH;
@@ -66,6 +67,8 @@ pub(crate) struct CommCore {
     board_data_pkts: u64,
     /// Control packets moved off a path a sending comm to the same peer does not trust.
     steered: u64,
+    /// The verbs side (verbs backend only).
+    verbs: Option<VerbsComm>,
 }
 
 struct Sources<'a>(&'a HashMap<MsgId, Box<dyn SendBuf>>);
@@ -108,13 +111,15 @@ impl CommCore {
         plans: Plans,
         rate: SharedRate,
         role: &'static str,
+        verbs: Option<VerbsComm>,
     ) -> Self {
         let inbox = Arc::new(Inbox::default());
         for rail in &net.rails {
             rail.register(token, inbox.clone());
         }
         let max_dgram = net.rails.iter().map(|r| r.max_datagram).min().unwrap_or(0);
-        let tx = (0..BATCH).map(|_| vec![0u8; max_dgram]).collect();
+        let ntx = if verbs.is_some() { 0 } else { BATCH };
+        let tx = (0..ntx).map(|_| vec![0u8; max_dgram]).collect();
         let nrails = net.rails.len();
         Self {
             net,
@@ -144,6 +149,7 @@ impl CommCore {
             board_at_us: 0,
             board_data_pkts: 0,
             steered: 0,
+            verbs,
         }
     }
 
@@ -178,6 +184,9 @@ impl CommCore {
             return;
         }
         let now = self.net.now_us();
+        if let Some(v) = self.verbs.as_mut() {
+            v.poll(&mut self.conn, now);
+        }
         for rail in &self.net.rails {
             rail.poll_rx();
         }
@@ -198,9 +207,26 @@ impl CommCore {
         if self.conn.poll_timeout().is_some_and(|t| t <= now) {
             self.conn.handle_timeout(now);
         }
+        let mut comps: Vec<Completion> = std::iter::from_fn(|| self.conn.poll_completion()).collect();
+        if let Some(v) = self.verbs.as_mut() {
+            // On verbs a receive is reported only once the sender said that none of its WRITEs can
+            // still land in the buffer (FENCE); sends tell the receiver so.
+            comps = comps
+                .into_iter()
+                .filter_map(|c| match c {
+                    Completion::Sent { msg, len } => {
+                        v.sent(msg);
+                        Some(Completion::Sent { msg, len })
+                    }
+                    Completion::Received { msg, sizes } => v.received(msg, sizes, now).map(|sizes| Completion::Received { msg, sizes }),
+                    other => Some(other),
+                })
+                .collect();
+            comps.extend(v.released(now).into_iter().map(|(msg, sizes)| Completion::Received { msg, sizes }));
+        }
         self.transmit(now);
         self.publish_paths(now);
-        while let Some(c) = self.conn.poll_completion() {
+        for c in comps {
             let (msg, outcome) = match c {
                 Completion::Sent { msg, len } => {
                     if let Some(sent_us) = self.posted_at.remove(&msg) {
@@ -216,6 +242,9 @@ impl CommCore {
                 }
             };
             // The buffers belong to NCCL again once the request is done.
+            if let Some(v) = self.verbs.as_mut() {
+                v.release(msg);
+            }
             self.sends.remove(&msg);
             self.recvs.remove(&msg);
             self.plans.lock().remove(&msg.0);
@@ -270,6 +299,10 @@ impl CommCore {
     }
 
     fn transmit(&mut self, now: u64) {
+        if let Some(v) = self.verbs.as_mut() {
+            v.transmit(&mut self.conn, now);
+            return;
+        }
         for _ in 0..MAX_TX_BATCHES {
             self.tx_meta.clear();
             let mut src = Sources(&self.sends);
@@ -301,7 +334,8 @@ impl CommCore {
                 }
                 let dest = self.peer_rails[rail % self.peer_rails.len()];
                 let pkts: Vec<(u16, &[u8])> = items.iter().map(|&(e, k)| (e, &self.tx[k][..self.tx_meta[k].1])).collect();
-                if let Err(e) = self.net.rails[rail].udp.send(dest, &pkts) {
+                let Some(udp) = &self.net.rails[rail].udp else { continue };
+                if let Err(e) = udp.send(dest, &pkts) {
                     tracing::warn!(role = self.role, peer = %dest, "sendmmsg failed: {e}");
                 }
             }
@@ -336,6 +370,18 @@ impl CommCore {
                 self.plans.lock().insert(msg.0, map);
             }
             Err(e) => tracing::warn!("no plan for a {len}-byte message ({e}); it stays on its own rail"),
+        }
+    }
+
+    /// On the verbs backend a buffer must have an address (RDMA reads or writes it in place).
+    fn verbs_addr(&self, addr: Option<usize>, len: usize) -> Result<Option<usize>, TransportError> {
+        if self.verbs.is_none() {
+            return Ok(None);
+        }
+        match addr {
+            Some(a) => Ok(Some(a)),
+            None if len == 0 => Ok(Some(0)),
+            None => Err(TransportError::InvalidArgument("the verbs backend needs buffers with an address".into())),
         }
     }
 
@@ -375,6 +421,8 @@ impl CommCore {
             "rate": self.rate_stats(),
             "wrong_peer_dropped": self.wrong_peer,
             "control_steered": self.steered,
+            "backend": if self.verbs.is_some() { "verbs" } else { "udp" },
+            "verbs": self.verbs.as_ref().map(VerbsComm::stats),
             "conn": serde_json::to_value(self.conn.stats()).unwrap_or(serde_json::Value::Null),
         })
     }
@@ -392,9 +440,11 @@ impl CommCore {
         for rail in &self.net.rails {
             rail.unregister(self.token);
         }
+        self.net.record_stats(self.stats());
         self.sends.clear();
         self.recvs.clear();
-        self.net.record_stats(self.stats());
+        // Registrations go with the QPs (VerbsComm's drop releases what is still held).
+        self.verbs = None;
     }
 }
 
@@ -438,8 +488,16 @@ impl SendComm {
     pub fn isend(&mut self, buf: Box<dyn SendBuf>, tag: i32) -> Result<Option<ReqId>, TransportError> {
         let mut core = self.shared.lock();
         let now = core.net.now_us();
+        let addr = core.verbs_addr(buf.addr(), buf.len())?;
         match core.conn.post_send(buf.len() as u64, tag, now) {
             Ok(msg) => {
+                if let (Some(v), Some(a)) = (core.verbs.as_mut(), addr) {
+                    if let Err(e) = v.register(msg, &[(a, buf.len())]) {
+                        // proto has the send already; it cannot be moved without its memory.
+                        core.conn.close(now);
+                        return Err(e);
+                    }
+                }
                 core.plan(msg, buf.len() as u64, now);
                 core.posted_at.insert(msg, now);
                 core.sends.insert(msg, buf);
@@ -491,8 +549,21 @@ impl RecvComm {
         let mut core = self.shared.lock();
         let now = core.net.now_us();
         let specs: Vec<RecvSpec> = bufs.iter().map(|(b, tag)| RecvSpec { len: b.len() as u64, tag: *tag }).collect();
+        let mut ranges = Vec::with_capacity(bufs.len());
+        for (b, _) in &bufs {
+            if let Some(a) = core.verbs_addr(b.addr(), b.len())? {
+                ranges.push((a, b.len()));
+            }
+        }
         match core.conn.post_recv(&specs, now) {
             Ok(msg) => {
+                if let Some(v) = core.verbs.as_mut() {
+                    v.recv_posted(msg);
+                    if let Err(e) = v.register(msg, &ranges) {
+                        core.conn.close(now);
+                        return Err(e);
+                    }
+                }
                 core.recvs.insert(msg, bufs.into_iter().map(|(b, _)| b).collect());
                 core.owner_progress();
                 Ok(Some(core.new_req(msg)))

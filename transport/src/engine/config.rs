@@ -29,6 +29,36 @@ pub struct TransportConfig {
     pub seed: u64,
     /// `PRISM_HOST`: this host's name in the `PRISM_TOPO` topology (default: the hostname).
     pub host: Option<String>,
+    /// `PRISM_TRANSPORT`: which backend moves the packets.
+    pub transport: Transport,
+    /// `PRISM_IB_HCA`: RDMA devices to use as rails, in order; empty = every active one.
+    pub ib_hca: Vec<String>,
+    /// `PRISM_QP`: the verbs data QPs' type.
+    pub qp: QpType,
+    /// `PRISM_IB_GID_INDEX`: GID index to use; `None` = the first RoCEv2 IPv4-mapped one.
+    pub ib_gid_index: Option<u8>,
+    /// `PRISM_IB_CHUNK`: payload bytes of one verbs DATA packet (one RDMA WRITE).
+    pub ib_chunk: u32,
+}
+
+/// `PRISM_TRANSPORT`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Transport {
+    /// Verbs when an active RDMA device with a RoCEv2 IPv4 GID exists, else UDP.
+    Auto,
+    /// Verbs or fail.
+    Verbs,
+    /// UDP sockets.
+    Udp,
+}
+
+/// `PRISM_QP`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum QpType {
+    /// Unreliable connected (Prism's proto does the reliability).
+    Uc,
+    /// Reliable connected.
+    Rc,
 }
 
 impl Default for TransportConfig {
@@ -44,6 +74,11 @@ impl Default for TransportConfig {
             sockbuf: 8 << 20,
             seed: 0,
             host: None,
+            transport: Transport::Auto,
+            ib_hca: Vec::new(),
+            qp: QpType::Uc,
+            ib_gid_index: None,
+            ib_chunk: 65_536,
         }
     }
 }
@@ -82,6 +117,11 @@ impl TransportConfig {
         "PRISM_SOCKBUF",
         "PRISM_SEED",
         "PRISM_HOST",
+        "PRISM_TRANSPORT",
+        "PRISM_IB_HCA",
+        "PRISM_QP",
+        "PRISM_IB_GID_INDEX",
+        "PRISM_IB_CHUNK",
     ];
 
     /// Parse the variables; absent ones keep their defaults, bad ones are errors naming the variable.
@@ -116,6 +156,34 @@ impl TransportConfig {
             }
             c.host = Some(h.trim().to_string());
         }
+        if let Some(v) = vars.get("PRISM_TRANSPORT") {
+            c.transport = match v.trim() {
+                "auto" => Transport::Auto,
+                "verbs" => Transport::Verbs,
+                "udp" => Transport::Udp,
+                _ => return Err(bad("PRISM_TRANSPORT", v, "must be auto, verbs or udp")),
+            };
+        }
+        if let Some(v) = vars.get("PRISM_IB_HCA") {
+            let names: Vec<String> = v.split(',').map(|s| s.trim().to_string()).filter(|s| !s.is_empty()).collect();
+            if names.is_empty() || names.iter().any(|n| n.len() > 63 || n.contains('/')) {
+                return Err(bad("PRISM_IB_HCA", v, "must list RDMA device names, e.g. rxe0,rxe1"));
+            }
+            c.ib_hca = names;
+        }
+        if let Some(v) = vars.get("PRISM_QP") {
+            c.qp = match v.trim() {
+                "uc" => QpType::Uc,
+                "rc" => QpType::Rc,
+                _ => return Err(bad("PRISM_QP", v, "must be uc or rc")),
+            };
+        }
+        if vars.contains_key("PRISM_IB_GID_INDEX") {
+            let mut g = 0u8;
+            num(vars, "PRISM_IB_GID_INDEX", 0, 255, &mut g)?;
+            c.ib_gid_index = Some(g);
+        }
+        num(vars, "PRISM_IB_CHUNK", 1024, 1 << 24, &mut c.ib_chunk)?;
         Ok(c)
     }
 
@@ -124,7 +192,19 @@ impl TransportConfig {
         let ifs = if self.ifnames.is_empty() { "<default route>".to_string() } else { self.ifnames.join(",") };
         let mtu = if self.mtu == 0 { "auto".to_string() } else { self.mtu.to_string() };
         format!(
-            "transport=udp ifnames={ifs} paths={} mtu={mtu} window={} peer_timeout_ms={} connect_timeout_ms={} rto_min_us={} sockbuf={} seed={}",
+            "transport={} ifnames={ifs} ib_hca={} qp={} ib_gid_index={} ib_chunk={} paths={} mtu={mtu} window={} peer_timeout_ms={} connect_timeout_ms={} rto_min_us={} sockbuf={} seed={}",
+            match self.transport {
+                Transport::Auto => "auto",
+                Transport::Verbs => "verbs",
+                Transport::Udp => "udp",
+            },
+            if self.ib_hca.is_empty() { "<all active>".to_string() } else { self.ib_hca.join(",") },
+            match self.qp {
+                QpType::Uc => "uc",
+                QpType::Rc => "rc",
+            },
+            self.ib_gid_index.map_or("auto".to_string(), |g| g.to_string()),
+            self.ib_chunk,
             self.paths, self.window_pkts, self.peer_timeout_ms, self.connect_timeout_ms, self.rto_min_us, self.sockbuf, self.seed
         )
     }
@@ -153,6 +233,24 @@ mod tests {
     fn ifnames_are_split_on_commas() {
         let c = TransportConfig::from_vars(&vars(&[("PRISM_IFNAMES", "lo, eth1")])).unwrap();
         assert_eq!(c.ifnames, vec!["lo", "eth1"]);
+    }
+
+    #[test]
+    fn verbs_variables_parse_and_bad_values_name_the_variable() {
+        let c = TransportConfig::from_vars(&vars(&[
+            ("PRISM_TRANSPORT", "verbs"),
+            ("PRISM_IB_HCA", "rxe0, rxe1"),
+            ("PRISM_QP", "rc"),
+            ("PRISM_IB_GID_INDEX", "3"),
+        ]))
+        .unwrap();
+        assert_eq!((c.transport, c.qp, c.ib_gid_index), (Transport::Verbs, QpType::Rc, Some(3)));
+        assert_eq!(c.ib_hca, vec!["rxe0", "rxe1"]);
+        for (k, v) in [("PRISM_TRANSPORT", "rdma"), ("PRISM_QP", "ud"), ("PRISM_IB_GID_INDEX", "300"), ("PRISM_IB_HCA", ",")] {
+            let e = TransportConfig::from_vars(&vars(&[(k, v)])).unwrap_err().to_string();
+            assert!(e.starts_with(&format!("{k}={v}: ")), "{e}");
+        }
+        assert_eq!(TransportConfig::default().transport, Transport::Auto);
     }
 
     #[test]

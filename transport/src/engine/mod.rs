@@ -76,6 +76,11 @@ pub trait SendBuf: Send {
     fn len(&self) -> usize;
     /// Copy `out.len()` bytes starting at `offset`; the engine guarantees `offset + out.len() <= len()`.
     fn read(&self, offset: usize, out: &mut [u8]);
+    /// Address of the first byte in this process, for RDMA (the verbs backend sends straight from
+    /// it); `None` when the bytes have no stable address, which the verbs backend refuses.
+    fn addr(&self) -> Option<usize> {
+        None
+    }
 }
 
 /// Bytes the engine writes into when it receives. The plugin implements it over the caller's buffer.
@@ -84,6 +89,11 @@ pub trait RecvBuf: Send {
     fn len(&self) -> usize;
     /// Write `data` at `offset`; the engine guarantees `offset + data.len() <= len()`.
     fn write(&mut self, offset: usize, data: &[u8]);
+    /// Address of the first byte in this process, for RDMA (the verbs backend's peer writes straight
+    /// into it); `None` when the buffer has no stable address, which the verbs backend refuses.
+    fn addr(&self) -> Option<usize> {
+        None
+    }
 }
 
 /// An outstanding request on one comm.
@@ -98,7 +108,8 @@ mod net;
 mod planned;
 mod progress;
 mod rail;
+mod vcomm;
 
 pub use comm::{RecvComm, SendComm};
-pub use config::TransportConfig;
+pub use config::{QpType, Transport, TransportConfig};
 pub use net::{Listener, Net};

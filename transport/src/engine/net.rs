@@ -11,9 +11,13 @@
 //! retry, so the state of a connect in progress is found through it).
 //!
 //! HELLO (connect → listener) and its reply have one layout (128 bytes, big-endian): `0..4` magic,
-//! `4` version, `5` status (0 = ok), `6` number of rails, `8..16` listen nonce, `16..24` the sender's
-//! connection token, `24..28` the sender's topology host id, `32..128` up to 16 rails as (IPv4, UDP port).
-//! Rails pair by index (rail r talks to the peer's rail r), as in rail-optimised fabrics.
+//! `4` version, `5` status (0 = ok), `6` number of rails, `7` backend (0 = UDP, 1 = verbs), `8..16`
+//! listen nonce, `16..24` the sender's connection token, `24..28` the sender's topology host id,
+//! `28..32` length of the block that follows the 128 bytes (0 on UDP, at most 1 MiB), `32..128` up to
+//! 16 rails as (IPv4, UDP port). Rails pair by index (rail r talks to the peer's rail r), as in
+//! rail-optimised fabrics. On verbs the block after the 128 bytes carries, per rail, the GID and every
+//! QP's number and first PSN (`vcomm::encode_peers`); both ends create their QPs before they write
+//! their HELLO and connect them once they have read the peer's.
 
 use std::collections::HashMap;
 use std::io::{self, Read, Write};
@@ -32,13 +36,18 @@ use super::planned::{PlannedPaths, Plans, SharedRate};
 use super::progress::Progress;
 use super::rail::Rail;
 use super::{device, DeviceInfo, TransportConfig, TransportError, HANDLE_LEN};
+use super::config::{QpType, Transport};
+use super::vcomm::{decode_peers, encode_peers, VerbsComm};
 use crate::backend::udp::{UdpRail, BATCH};
+use crate::backend::verbs::{self, VerbsDevice};
 use crate::proto::{Connection, ProtoConfig};
 use crate::wire;
 
 const MAGIC: &[u8; 4] = b"PRSM";
-const VERSION: u8 = 2;
+const VERSION: u8 = 3;
 const HELLO_LEN: usize = 128;
+/// Largest verbs block after a HELLO.
+const MAX_EXT: usize = 1 << 20;
 const MAX_RAILS: usize = 16;
 const RAILS_OFF: usize = 32;
 const STAGE_OFF: usize = 64;
@@ -110,35 +119,75 @@ impl NetInner {
         Connection::new(self.proto.clone(), local, peer, Box::new(policy), self.now_us())
     }
 
-    /// Our half of a handshake message: rails, token, host id.
-    fn hello(&self, status: u8, nonce: u64, token: u64) -> [u8; HELLO_LEN] {
-        let mut m = [0u8; HELLO_LEN];
+    /// Is this engine on the verbs backend?
+    pub fn is_verbs(&self) -> bool {
+        self.rails.first().is_some_and(|r| r.verbs.is_some())
+    }
+
+    /// A new connection's QPs (verbs backend), or None on UDP.
+    fn verbs_comm(&self, token: u64) -> Result<Option<VerbsComm>, TransportError> {
+        if !self.is_verbs() {
+            return Ok(None);
+        }
+        let devs: Vec<Arc<VerbsDevice>> = self.rails.iter().filter_map(|r| r.verbs.clone()).collect();
+        VerbsComm::create(&devs, self.cfg.paths, self.cfg.qp == QpType::Rc, token, self.proto.max_payload).map(Some)
+    }
+
+    /// Our half of a handshake message: rails, token, host id, and the verbs block if any.
+    fn hello(&self, status: u8, nonce: u64, token: u64, verbs: Option<&VerbsComm>) -> Vec<u8> {
+        let ext = verbs.map(|v| encode_peers(&v.local())).unwrap_or_default();
+        let mut m = vec![0u8; HELLO_LEN];
         m[0..4].copy_from_slice(MAGIC);
         m[4] = VERSION;
         m[5] = status;
         m[6] = self.rails.len() as u8;
+        m[7] = u8::from(self.is_verbs());
+        m[28..32].copy_from_slice(&(ext.len() as u32).to_be_bytes());
         m[8..16].copy_from_slice(&nonce.to_be_bytes());
         m[16..24].copy_from_slice(&token.to_be_bytes());
         m[24..28].copy_from_slice(&self.host_id.to_be_bytes());
         for (i, r) in self.rails.iter().enumerate() {
             let o = RAILS_OFF + 6 * i;
-            m[o..o + 4].copy_from_slice(&r.udp.addr().octets());
-            m[o + 4..o + 6].copy_from_slice(&r.udp.rail_port().to_be_bytes());
+            m[o..o + 4].copy_from_slice(&r.addr.octets());
+            m[o + 4..o + 6].copy_from_slice(&r.port().to_be_bytes());
         }
+        m.extend_from_slice(&ext);
         m
+    }
+
+    /// Check the peer's backend and connect our QPs to its (verbs).
+    fn join(&self, h: &Hello, ext: &[u8], verbs: &mut Option<VerbsComm>) -> Result<(), TransportError> {
+        let ours = u8::from(self.is_verbs());
+        if h.backend != ours {
+            let name = |b: u8| if b == 1 { "verbs" } else { "udp" };
+            return Err(TransportError::ConnectionFailed(format!(
+                "the peer uses the {} backend, this end {} (set the same PRISM_TRANSPORT on both)",
+                name(h.backend),
+                name(ours)
+            )));
+        }
+        if let Some(v) = verbs.as_mut() {
+            v.connect(&decode_peers(ext)?)?;
+        }
+        Ok(())
     }
 }
 
 /// The peer's half of a handshake, checked.
 struct Hello {
     status: u8,
+    backend: u8,
+    ext_len: usize,
     nonce: u64,
     token: u64,
     host: u32,
     rails: Vec<SocketAddrV4>,
 }
 
-fn parse_hello(m: &[u8; HELLO_LEN]) -> Result<Hello, TransportError> {
+fn parse_hello(m: &[u8]) -> Result<Hello, TransportError> {
+    if m.len() < HELLO_LEN {
+        return Err(TransportError::ConnectionFailed("short handshake".into()));
+    }
     if &m[0..4] != MAGIC {
         return Err(TransportError::ConnectionFailed("handshake without Prism's magic".into()));
     }
@@ -155,8 +204,14 @@ fn parse_hello(m: &[u8; HELLO_LEN]) -> Result<Hello, TransportError> {
             SocketAddrV4::new(Ipv4Addr::new(m[o], m[o + 1], m[o + 2], m[o + 3]), u16::from_be_bytes([m[o + 4], m[o + 5]]))
         })
         .collect();
+    let ext_len = u32::from_be_bytes(m[28..32].try_into().expect("4 bytes")) as usize;
+    if ext_len > MAX_EXT || m[7] > 1 {
+        return Err(TransportError::ConnectionFailed(format!("handshake announces backend {} and a {ext_len}-byte block", m[7])));
+    }
     Ok(Hello {
         status: m[5],
+        backend: m[7],
+        ext_len,
         nonce: u64::from_be_bytes(m[8..16].try_into().expect("8 bytes")),
         token: u64::from_be_bytes(m[16..24].try_into().expect("8 bytes")),
         host: u32::from_be_bytes(m[24..28].try_into().expect("4 bytes")),
@@ -187,9 +242,10 @@ struct PendingConnect {
     sock: Socket,
     dev: usize,
     token: u64,
-    out: [u8; HELLO_LEN],
-    inp: [u8; HELLO_LEN],
+    out: Vec<u8>,
+    inp: Vec<u8>,
     stage: Stage,
+    verbs: Option<VerbsComm>,
     started: Instant,
     target: SocketAddrV4,
 }
@@ -222,9 +278,50 @@ fn would_block(e: &io::Error) -> bool {
 impl Net {
     /// Discover the rails, bind their sockets and get ready to listen and connect.
     pub fn new(cfg: TransportConfig, lb: prism_lb::LbConfig) -> Result<Net, TransportError> {
-        let devices = device::discover(&cfg.ifnames)?;
-        let mut rails = Vec::with_capacity(devices.len());
+        let vdevs = match cfg.transport {
+            Transport::Udp => {
+                tracing::info!("transport: udp (PRISM_TRANSPORT=udp)");
+                None
+            }
+            Transport::Verbs => match verbs::probe(&cfg.ib_hca, cfg.ib_gid_index) {
+                Ok(d) => Some(d),
+                Err(e) => return Err(TransportError::NoDevice(format!("PRISM_TRANSPORT=verbs: {e}"))),
+            },
+            Transport::Auto => match verbs::probe(&cfg.ib_hca, cfg.ib_gid_index) {
+                Ok(d) => Some(d),
+                Err(e) => {
+                    tracing::info!("transport: udp (no RDMA device: {e})");
+                    None
+                }
+            },
+        };
+        let mut rails = Vec::new();
         let mut min_dgram = usize::MAX;
+        if let Some(vdevs) = vdevs {
+            let names: Vec<String> =
+                vdevs.iter().map(|d| format!("{} (GID index {}, {}, {})", d.name, d.gid_index, d.ipv4, d.ifname)).collect();
+            let why = if cfg.transport == Transport::Verbs { "PRISM_TRANSPORT=verbs" } else { "auto: RDMA device found" };
+            tracing::info!("transport: verbs ({why}; {} {} QPs per rail: {})", cfg.paths, if cfg.qp == QpType::Rc { "RC" } else { "UC" }, names.join(", "));
+            for d in vdevs {
+                let info = DeviceInfo {
+                    name: format!("prism:{}", d.name),
+                    ifname: d.ifname.clone(),
+                    addr: std::net::IpAddr::V4(d.ipv4),
+                    speed_mbps: d.speed_mbps,
+                    mtu: d.mtu_bytes,
+                    pci_path: None,
+                };
+                // One WRITE never spans two lb chunks: the path policy places a packet by the chunk
+                // its offset falls in, so packets that cover several chunks would all follow the
+                // first one's rail (with 64 KiB packets over 32 KiB chunks, every packet started on
+                // an even chunk and one rail carried everything).
+                let payload = cfg.ib_chunk.min(lb.chunk_bytes.max(1024)) as usize;
+                min_dgram = min_dgram.min(wire::MAX_HEADER_LEN + payload);
+                let addr = d.ipv4;
+                rails.push(Arc::new(Rail::new(info, None, Some(Arc::new(d)), addr, min_dgram)));
+            }
+        }
+        let devices = if rails.is_empty() { device::discover(&cfg.ifnames)? } else { Vec::new() };
         for info in devices {
             let std::net::IpAddr::V4(addr) = info.addr else {
                 return Err(TransportError::NoDevice(format!("{}: only IPv4 is supported", info.ifname)));
@@ -241,7 +338,7 @@ impl Net {
                 rail = %info.name, addr = %addr, port = udp.rail_port(), paths = udp.paths(), max_datagram = max_dgram,
                 "rail ready: {} source ports, one per entropy", udp.paths()
             );
-            rails.push(Arc::new(Rail::new(info, udp, max_dgram)));
+            rails.push(Arc::new(Rail::new(info, Some(udp), None, addr, max_dgram)));
         }
         if rails.len() > MAX_RAILS {
             return Err(TransportError::Config(format!("PRISM_IFNAMES: {} rails, at most {MAX_RAILS}", rails.len())));
@@ -286,6 +383,45 @@ impl Net {
         &self.devices
     }
 
+    /// The backend moving the packets: "verbs" or "udp".
+    pub fn backend(&self) -> &'static str {
+        if self.inner.is_verbs() {
+            "verbs"
+        } else {
+            "udp"
+        }
+    }
+
+    /// Register `addr..addr + len` on every verbs rail (NCCL's `regMr`); nothing on UDP. Repeated
+    /// registrations of the same range share one MR; each must be paired with [`Self::dereg_mr`].
+    /// The caller vouches that the memory stays mapped until then.
+    pub fn reg_mr(&self, addr: usize, len: usize) -> Result<(), TransportError> {
+        let mut done: Vec<&Arc<Rail>> = Vec::new();
+        for r in &self.inner.rails {
+            if let Some(d) = &r.verbs {
+                if let Err(e) = d.acquire(addr, len) {
+                    for r in done {
+                        if let Some(d) = &r.verbs {
+                            d.release((addr, len.max(1)));
+                        }
+                    }
+                    return Err(TransportError::InvalidArgument(format!("regMr of {len} bytes at {addr:#x} on {}: {e}", d.name)));
+                }
+                done.push(r);
+            }
+        }
+        Ok(())
+    }
+
+    /// Undo one [`Self::reg_mr`] of the same range.
+    pub fn dereg_mr(&self, addr: usize, len: usize) {
+        for r in &self.inner.rails {
+            if let Some(d) = &r.verbs {
+                d.release((addr, len.max(1)));
+            }
+        }
+    }
+
     fn rail(&self, dev: usize) -> Result<&Arc<Rail>, TransportError> {
         self.inner.rails.get(dev).ok_or(TransportError::BadDevice { dev, ndev: self.inner.rails.len() })
     }
@@ -295,7 +431,7 @@ impl Net {
         let rail = self.rail(dev)?.clone();
         let sock = Socket::new(Domain::IPV4, Type::STREAM, Some(Protocol::TCP)).map_err(io_err("TCP socket"))?;
         sock.set_nonblocking(true).map_err(io_err("TCP non-blocking"))?;
-        sock.bind(&SockAddr::from(SocketAddrV4::new(rail.udp.addr(), 0))).map_err(io_err("TCP bind"))?;
+        sock.bind(&SockAddr::from(SocketAddrV4::new(rail.addr, 0))).map_err(io_err("TCP bind"))?;
         sock.listen(128).map_err(io_err("TCP listen"))?;
         let port = sock.local_addr().ok().and_then(|a| a.as_socket_ipv4()).map(|a| a.port()).unwrap_or(0);
         let nonce = new_token();
@@ -303,7 +439,7 @@ impl Net {
         handle[0..4].copy_from_slice(MAGIC);
         handle[4] = VERSION;
         handle[6..8].copy_from_slice(&port.to_be_bytes());
-        handle[8..12].copy_from_slice(&rail.udp.addr().octets());
+        handle[8..12].copy_from_slice(&rail.addr.octets());
         handle[12..20].copy_from_slice(&nonce.to_be_bytes());
         tracing::debug!(rail = %rail.info.name, port, "listening");
         Ok(Listener { inner: self.inner.clone(), rail, dev: dev as u16, sock, nonce, pending: Vec::new() })
@@ -318,13 +454,24 @@ impl Net {
             let rail = self.rail(dev)?;
             let token = new_token();
             let nonce = u64::from_be_bytes(handle[12..20].try_into().expect("8 bytes"));
-            let out = self.inner.hello(0, nonce, token);
-            let sock = start_tcp_connect(target, rail.udp.addr())?;
+            let verbs = self.inner.verbs_comm(token)?;
+            let out = self.inner.hello(0, nonce, token, verbs.as_ref());
+            let sock = start_tcp_connect(target, rail.addr)?;
             let key = self.next_stage.fetch_add(1, Ordering::Relaxed);
             handle[STAGE_OFF..STAGE_OFF + 8].copy_from_slice(&key.to_be_bytes());
             pending.insert(
                 key,
-                PendingConnect { sock, dev, token, out, inp: [0; HELLO_LEN], stage: Stage::Connecting, started: Instant::now(), target },
+                PendingConnect {
+                    sock,
+                    dev,
+                    token,
+                    out,
+                    inp: vec![0; HELLO_LEN],
+                    stage: Stage::Connecting,
+                    started: Instant::now(),
+                    target,
+                    verbs,
+                },
             );
             tracing::debug!(%target, "connect started");
         }
@@ -361,7 +508,7 @@ impl Net {
                     if let Some(e) = pc.sock.take_error().map_err(io_err("TCP connect"))? {
                         if e.kind() == io::ErrorKind::ConnectionRefused {
                             // The listener may not be up yet on a slow peer: retry until the timeout.
-                            pc.sock = start_tcp_connect(pc.target, self.inner.rails[pc.dev].udp.addr())?;
+                            pc.sock = start_tcp_connect(pc.target, self.inner.rails[pc.dev].addr)?;
                             return Ok(None);
                         }
                         return Err(TransportError::Io { what: format!("TCP connect to {}", pc.target), source: e });
@@ -372,7 +519,7 @@ impl Net {
                     }
                 }
                 Stage::Writing(n) => match (&pc.sock).write(&pc.out[n..]) {
-                    Ok(k) if n + k == HELLO_LEN => pc.stage = Stage::Reading(0),
+                    Ok(k) if n + k == pc.out.len() => pc.stage = Stage::Reading(0),
                     Ok(k) => pc.stage = Stage::Writing(n + k),
                     Err(e) if would_block(&e) => return Ok(None),
                     Err(e) => return Err(TransportError::Io { what: format!("handshake with {}", pc.target), source: e }),
@@ -384,8 +531,18 @@ impl Net {
                             pc.target
                         )))
                     }
-                    Ok(k) if n + k == HELLO_LEN => return self.finish_connect(pc).map(Some),
-                    Ok(k) => pc.stage = Stage::Reading(n + k),
+                    Ok(k) => {
+                        let got = n + k;
+                        if got == HELLO_LEN && pc.inp.len() == HELLO_LEN {
+                            // The fixed part is in: make room for the block it announces.
+                            let h = parse_hello(&pc.inp)?;
+                            pc.inp.resize(HELLO_LEN + h.ext_len, 0);
+                        }
+                        if got == pc.inp.len() {
+                            return self.finish_connect(pc).map(Some);
+                        }
+                        pc.stage = Stage::Reading(got);
+                    }
                     Err(e) if would_block(&e) => return Ok(None),
                     Err(e) => return Err(TransportError::Io { what: format!("handshake with {}", pc.target), source: e }),
                 },
@@ -393,17 +550,18 @@ impl Net {
         }
     }
 
-    fn finish_connect(&self, pc: &PendingConnect) -> Result<SendComm, TransportError> {
+    fn finish_connect(&self, pc: &mut PendingConnect) -> Result<SendComm, TransportError> {
         let h = parse_hello(&pc.inp)?;
         if h.status != 0 {
             return Err(TransportError::ConnectionFailed(format!("{} refused the handshake (status {})", pc.target, h.status)));
         }
+        self.inner.join(&h, &pc.inp[HELLO_LEN..], &mut pc.verbs)?;
         let home = pc.dev as u16;
         let plans = Plans::default();
         let rate: SharedRate = Arc::new(Mutex::new(self.inner.lb_rt.rate_controller()));
         let conn = self.inner.connection(pc.token, h.token, h.host, home, &plans, &rate);
         tracing::info!(rail = %self.inner.rails[pc.dev].info.name, peer = %h.rails[0], rails = h.rails.len(), "send comm connected");
-        let core = CommCore::new(self.inner.clone(), conn, pc.token, h.rails, h.host, home, plans, rate, "send");
+        let core = CommCore::new(self.inner.clone(), conn, pc.token, h.rails, h.host, home, plans, rate, "send", pc.verbs.take());
         Ok(SendComm::new(self.inner.adopt(core)))
     }
 
@@ -416,13 +574,17 @@ impl Net {
             .map(|r| {
                 serde_json::json!({
                     "name": r.info.name, "ifname": r.info.ifname, "addr": r.info.addr.to_string(),
-                    "source_ports": r.udp.ports(),
+                    "source_ports": r.udp.as_ref().map(|u| u.ports().to_vec()),
+                    "verbs_device": r.verbs.as_ref().map(|d| serde_json::json!({
+                        "name": d.name, "gid_index": d.gid_index, "mtu": d.mtu_bytes, "registrations": d.registrations(),
+                    })),
                     "unknown_token_dropped": r.unknown_token.load(Ordering::Relaxed),
                     "runt_dropped": r.runt.load(Ordering::Relaxed),
                 })
             })
             .collect();
         serde_json::json!({
+            "backend": if self.inner.is_verbs() { "verbs" } else { "udp" },
             "config": { "transport": self.inner.cfg.describe(), "lb": self.inner.lb.describe() },
             "rails": rails,
             "comms": *self.inner.closed.lock(),
@@ -498,9 +660,9 @@ fn start_tcp_connect(target: SocketAddrV4, local: Ipv4Addr) -> Result<Socket, Tr
 struct PendingAccept {
     sock: Socket,
     from: SocketAddr,
-    inp: [u8; HELLO_LEN],
+    inp: Vec<u8>,
     got: usize,
-    reply: Option<([u8; HELLO_LEN], usize, RecvComm)>,
+    reply: Option<(Vec<u8>, usize, RecvComm)>,
 }
 
 /// A listening endpoint (NCCL's listenComm). Several connects may be accepted from one listener.
@@ -521,7 +683,7 @@ impl Listener {
                 Ok((s, from)) => {
                     s.set_nonblocking(true).map_err(io_err("TCP non-blocking"))?;
                     let from = from.as_socket().unwrap_or(SocketAddr::from(([0, 0, 0, 0], 0)));
-                    self.pending.push(PendingAccept { sock: s, from, inp: [0; HELLO_LEN], got: 0, reply: None });
+                    self.pending.push(PendingAccept { sock: s, from, inp: vec![0; HELLO_LEN], got: 0, reply: None });
                 }
                 Err(e) if would_block(&e) => break,
                 Err(e) => return Err(TransportError::Io { what: "TCP accept".into(), source: e }),
@@ -554,28 +716,35 @@ impl Listener {
                 Err(e) if would_block(&e) => return Ok(None),
                 Err(e) => return Err(TransportError::Io { what: "handshake read".into(), source: e }),
             }
-            if p.got < HELLO_LEN {
+            if p.got == HELLO_LEN && p.inp.len() == HELLO_LEN {
+                if let Ok(h) = parse_hello(&p.inp) {
+                    p.inp.resize(HELLO_LEN + h.ext_len, 0);
+                }
+            }
+            if p.got < p.inp.len() {
                 return Ok(None);
             }
             let h = match parse_hello(&p.inp) {
                 Ok(h) if h.nonce == self.nonce => h,
                 Ok(_) | Err(_) => {
-                    let _ = (&p.sock).write(&self.inner.hello(1, 0, 0));
+                    let _ = (&p.sock).write(&self.inner.hello(1, 0, 0, None)[..HELLO_LEN]);
                     return Err(TransportError::BadHandle(format!("HELLO from {} does not match this listener", p.from)));
                 }
             };
             let token = new_token();
-            let reply = self.inner.hello(0, self.nonce, token);
+            let mut verbs = self.inner.verbs_comm(token)?;
+            self.inner.join(&h, &p.inp[HELLO_LEN..], &mut verbs)?;
+            let reply = self.inner.hello(0, self.nonce, token, verbs.as_ref());
             // Registered before the reply leaves, so the sender's first datagram finds its comm.
             let plans = Plans::default();
             let rate: SharedRate = Arc::new(Mutex::new(self.inner.lb_rt.rate_controller()));
             let conn = self.inner.connection(token, h.token, h.host, self.dev, &plans, &rate);
-            let core = CommCore::new(self.inner.clone(), conn, token, h.rails, h.host, self.dev, plans, rate, "recv");
+            let core = CommCore::new(self.inner.clone(), conn, token, h.rails, h.host, self.dev, plans, rate, "recv", verbs);
             let comm = RecvComm::new(self.inner.adopt(core));
             p.reply = Some((reply, 0, comm));
         }
         let Some((reply, sent, _)) = p.reply.as_mut() else { return Ok(None) };
-        while *sent < HELLO_LEN {
+        while *sent < reply.len() {
             match (&p.sock).write(&reply[*sent..]) {
                 Ok(k) => *sent += k,
                 Err(e) if would_block(&e) => return Ok(None),

@@ -105,8 +105,13 @@ fn run(net: Weak<NetInner>, stop: Arc<AtomicBool>) {
             std::thread::sleep(std::time::Duration::from_micros(sleep_us));
             continue;
         }
+        if net.rails.iter().any(|r| r.udp.is_none()) {
+            // Verbs completions have no descriptor here: poll the CQs often.
+            std::thread::sleep(std::time::Duration::from_micros(sleep_us.min(100)));
+            continue;
+        }
         // Wake early when any rail has datagrams.
-        let mut fds: Vec<PollFd<'_>> = net.rails.iter().map(|r| PollFd::new(r.udp.rx_fd(), PollFlags::POLLIN)).collect();
+        let mut fds: Vec<PollFd<'_>> = net.rails.iter().filter_map(|r| r.udp.as_ref()).map(|u| PollFd::new(u.rx_fd(), PollFlags::POLLIN)).collect();
         let ts = TimeSpec::from_duration(std::time::Duration::from_micros(sleep_us));
         let _ = nix::poll::ppoll(&mut fds, Some(ts), None);
     }

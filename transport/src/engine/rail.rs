@@ -3,7 +3,7 @@
 //! makes progress drains the rail for everybody (NCCL drives different comms from different threads).
 
 use std::collections::HashMap;
-use std::net::SocketAddrV4;
+use std::net::{Ipv4Addr, SocketAddrV4};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
@@ -11,6 +11,7 @@ use parking_lot::{Mutex, RwLock};
 
 use super::DeviceInfo;
 use crate::backend::udp::{UdpRail, BATCH};
+use crate::backend::verbs::VerbsDevice;
 use crate::wire;
 
 /// A datagram waiting for its connection: source, bytes (the Vec is a recycled receive buffer), length.
@@ -41,7 +42,12 @@ struct RxState {
 /// A rail: device description, sockets, demux table, recycled buffers.
 pub(crate) struct Rail {
     pub info: DeviceInfo,
-    pub udp: UdpRail,
+    /// The UDP sockets (UDP backend).
+    pub udp: Option<UdpRail>,
+    /// The RDMA device (verbs backend; QPs are per connection).
+    pub verbs: Option<Arc<VerbsDevice>>,
+    /// The rail's IPv4 address.
+    pub addr: Ipv4Addr,
     /// Largest datagram this rail sends or accepts (IP/UDP headers excluded).
     pub max_datagram: usize,
     rx: Mutex<RxState>,
@@ -54,12 +60,15 @@ pub(crate) struct Rail {
 }
 
 impl Rail {
-    pub fn new(info: DeviceInfo, udp: UdpRail, max_datagram: usize) -> Self {
+    pub fn new(info: DeviceInfo, udp: Option<UdpRail>, verbs: Option<Arc<VerbsDevice>>, addr: Ipv4Addr, max_datagram: usize) -> Self {
         // One spare byte so that an oversized datagram shows up as longer than allowed, not truncated.
-        let bufs = (0..BATCH).map(|_| vec![0u8; max_datagram + 1]).collect();
+        let nbufs = if udp.is_some() { BATCH } else { 0 };
+        let bufs = (0..nbufs).map(|_| vec![0u8; max_datagram + 1]).collect();
         Self {
             info,
             udp,
+            verbs,
+            addr,
             max_datagram,
             rx: Mutex::new(RxState { bufs, got: Vec::with_capacity(BATCH) }),
             routes: RwLock::new(HashMap::new()),
@@ -67,6 +76,11 @@ impl Rail {
             unknown_token: AtomicU64::new(0),
             runt: AtomicU64::new(0),
         }
+    }
+
+    /// The UDP port peers send to (0 on a verbs rail).
+    pub fn port(&self) -> u16 {
+        self.udp.as_ref().map_or(0, UdpRail::rail_port)
     }
 
     /// Deliver datagrams carrying `token` to `inbox` from now on.
@@ -89,11 +103,12 @@ impl Rail {
     /// Drain the rail's socket into the inboxes. Returns without waiting when another thread is
     /// already draining (it delivers our datagrams too).
     pub fn poll_rx(&self) {
+        let Some(udp) = &self.udp else { return };
         let Some(mut rx) = self.rx.try_lock() else { return };
         let RxState { bufs, got } = &mut *rx;
         // Bounded so that one test() call cannot be held hostage by a flood.
         for _ in 0..16 {
-            if let Err(e) = self.udp.recv(0, bufs, got) {
+            if let Err(e) = udp.recv(0, bufs, got) {
                 tracing::warn!(rail = %self.info.name, "recvmmsg failed: {e}");
                 return;
             }

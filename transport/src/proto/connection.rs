@@ -28,7 +28,16 @@ enum Life {
     Dead(MsgError),
 }
 
-/// A parsed, checked packet.
+/// The placer of payload that is already in place: it is never asked to copy anything.
+struct Placed;
+
+impl Placer for Placed {
+    fn place(&mut self, _: MsgId, _: usize, _: u64, _: &[u8]) {}
+}
+
+/// A parsed, checked packet. A CTS may carry the verbs backend's remote keys (a few hundred bytes);
+/// the value lives on the stack for one packet, so it is not boxed.
+#[allow(clippy::large_enum_variant)]
 enum Parsed {
     Data(DataRepr),
     Cts(CtsRepr),
@@ -197,6 +206,20 @@ impl Connection {
     /// One datagram from the network. Anything malformed, misaddressed or inconsistent is dropped and
     /// counted in `stats().dropped`; payload reaches `placer` only inside a posted buffer.
     pub fn handle_datagram(&mut self, bytes: &[u8], now: Micros, placer: &mut dyn Placer) {
+        self.handle_packet(bytes, now, Some(placer));
+    }
+
+    /// A DATA header whose payload was already written into the posted buffer by the network (the
+    /// verbs backend's RDMA WRITE): exactly the 64-byte header, without payload. The same checks and
+    /// bookkeeping as [`Self::handle_datagram`] (token, receive outstanding, `offset + len` within
+    /// the posted size, duplicate PSNs, SACK), but nothing is copied. Anything that is not such a
+    /// header is dropped and counted.
+    pub fn handle_placed_data(&mut self, header: &[u8], now: Micros) {
+        self.handle_packet(header, now, None);
+    }
+
+    /// `placer` None: `bytes` is a payload-less DATA header whose payload is already in place.
+    fn handle_packet(&mut self, bytes: &[u8], now: Micros, placer: Option<&mut dyn Placer>) {
         let now = self.clock(now);
         let header = match Header::new_checked(bytes) {
             Ok(h) => h,
@@ -206,7 +229,17 @@ impl Connection {
             self.stats.dropped.bad_token += 1;
             return;
         }
-        let parsed = match header.packet_type().and_then(|t| Parsed::parse(bytes, t)) {
+        let parsed = match placer {
+            Some(_) => header.packet_type().and_then(|t| Parsed::parse(bytes, t)),
+            None => match header.packet_type() {
+                Ok(PacketType::Data) => {
+                    DataPacket::new_checked_header(bytes).and_then(|p| DataRepr::parse(&p)).map(Parsed::Data)
+                }
+                Ok(other) => Err(WireError::WrongType { expected: PacketType::Data as u8, got: other as u8 }),
+                Err(e) => Err(e),
+            },
+        };
+        let parsed = match parsed {
             Ok(p) => p,
             Err(e) => return self.drop_wire(&e),
         };
@@ -233,10 +266,13 @@ impl Connection {
         self.tx.peer_heard(now);
         self.on_cts_ack(parsed.cts_ack(), now);
         match parsed {
-            Parsed::Data(d) => {
-                let pkt = DataPacket::new_unchecked(bytes);
-                self.on_data(&d, pkt.payload(), now, placer);
-            }
+            Parsed::Data(d) => match placer {
+                Some(placer) => {
+                    let pkt = DataPacket::new_unchecked(bytes);
+                    self.on_data(&d, Some(pkt.payload()), now, placer);
+                }
+                None => self.on_data(&d, None, now, &mut Placed),
+            },
             Parsed::Cts(c) => self.on_cts(&c),
             Parsed::Sack(s) => self.on_sack(&s, now),
             Parsed::Control(c) => self.on_control(&c, now),

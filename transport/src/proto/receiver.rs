@@ -195,7 +195,8 @@ impl Connection {
     }
 
     /// A checked DATA packet arrived: dedup by PSN, validate against the posted buffer, place, ack.
-    pub(super) fn on_data(&mut self, d: &DataRepr, payload: &[u8], now: Micros, placer: &mut dyn Placer) {
+    /// `payload` None: the payload is already in the buffer (RDMA WRITE); only the header counts.
+    pub(super) fn on_data(&mut self, d: &DataRepr, payload: Option<&[u8]>, now: Micros, placer: &mut dyn Placer) {
         self.stats.data_pkts_received += 1;
         match self.rx.window.classify(d.psn) {
             Arrival::Duplicate => {
@@ -236,7 +237,7 @@ impl Connection {
 
     /// Validate a new DATA packet against its receive and place its payload. False: dropped and
     /// counted, PSN not marked (a correct sender never sends such a packet).
-    fn accept_data(&mut self, d: &DataRepr, payload: &[u8], placer: &mut dyn Placer) -> bool {
+    fn accept_data(&mut self, d: &DataRepr, payload: Option<&[u8]>, placer: &mut dyn Placer) -> bool {
         let Some(gi) = self.rx.group_index(d.cts_seq) else {
             self.stats.dropped.unknown_msg += 1;
             tracing::debug!(cts_seq = d.cts_seq, psn = d.psn, "DATA for a receive that is not outstanding");
@@ -262,13 +263,14 @@ impl Connection {
             let end = d.offset + u64::from(d.len);
             let consistent = sub.total.unwrap_or(d.total_len) == d.total_len;
             let fits = d.total_len <= size && end <= d.total_len && sub.received + u64::from(d.len) <= d.total_len;
-            if !consistent || !fits || payload.len() != d.len as usize {
+            let len_ok = !matches!(payload, Some(p) if p.len() != d.len as usize);
+            if !consistent || !fits || !len_ok {
                 self.stats.dropped.bad_offset_len += 1;
                 tracing::debug!(offset = d.offset, len = d.len, total = d.total_len, posted = size, "DATA outside the posted buffer");
                 return false;
             }
-            if !payload.is_empty() {
-                placer.place(group.id, d.sub as usize, d.offset, payload);
+            if let Some(p) = payload.filter(|p| !p.is_empty()) {
+                placer.place(group.id, d.sub as usize, d.offset, p);
             }
             self.stats.data_bytes_placed += u64::from(d.len);
             sub.total = Some(d.total_len);

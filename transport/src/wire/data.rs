@@ -71,6 +71,17 @@ impl<T: AsRef<[u8]>> DataPacket<T> {
         Ok(Self { buffer })
     }
 
+    /// A view of a DATA header sent without its payload (verbs backend: the payload went ahead as
+    /// an RDMA WRITE): exactly `DATA_HEADER_LEN` bytes, whatever `len` says.
+    pub fn new_checked_header(buffer: T) -> Result<Self, WireError> {
+        let b = buffer.as_ref();
+        header::check(b, PacketType::Data, DATA_HEADER_LEN)?;
+        if b.len() > DATA_HEADER_LEN {
+            return Err(WireError::TrailingBytes { expected: DATA_HEADER_LEN, actual: b.len() });
+        }
+        Ok(Self { buffer })
+    }
+
     /// The underlying buffer.
     pub fn into_inner(self) -> T {
         self.buffer
@@ -237,6 +248,24 @@ impl DataRepr {
 #[cfg(test)]
 pub(crate) mod tests {
     use super::*;
+
+    #[test]
+    fn a_header_without_its_payload_parses_only_through_the_header_view() {
+        let r = sample();
+        assert!(r.len > 0);
+        let mut buf = vec![0u8; r.buffer_len()];
+        r.emit(&mut DataPacket::new_unchecked(&mut buf[..]));
+        let head = &buf[..DATA_HEADER_LEN];
+        assert!(DataPacket::new_checked(head).is_err());
+        let p = DataPacket::new_checked_header(head).unwrap();
+        assert_eq!(DataRepr::parse(&p).unwrap(), r);
+        assert!(p.payload().is_empty());
+        assert_eq!(
+            DataPacket::new_checked_header(&buf[..DATA_HEADER_LEN + 1]).err(),
+            Some(WireError::TrailingBytes { expected: DATA_HEADER_LEN, actual: DATA_HEADER_LEN + 1 })
+        );
+        assert!(DataPacket::new_checked_header(&buf[..DATA_HEADER_LEN - 1]).is_err());
+    }
 
     pub(crate) fn sample() -> DataRepr {
         DataRepr {

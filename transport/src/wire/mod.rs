@@ -16,7 +16,7 @@ pub mod header;
 pub mod sack;
 
 pub use control::{ControlKind, ControlPacket, ControlRepr, CONTROL_LEN};
-pub use cts::{CtsBuf, CtsPacket, CtsRepr, CTS_MAX_LEN};
+pub use cts::{CtsBuf, CtsKeys, CtsPacket, CtsRepr, CTS_KEYED_MAX_LEN, CTS_MAX_KEY_RAILS, CTS_MAX_LEN};
 pub use data::{DataPacket, DataRepr, DATA_HEADER_LEN};
 pub use header::{Header, PacketType, HEADER_LEN};
 pub use sack::{SackPacket, SackRepr, SACK_BITMAP_PSNS, SACK_LEN};

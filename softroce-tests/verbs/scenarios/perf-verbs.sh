@@ -1,0 +1,56 @@
+# perf-verbs: prism-perf all_reduce with 2 ranks over rxe on the veth wire (rank 0 on rxe0/va, rank 1 on
+# rxe1/vb: every packet crosses the link), then, in the same boot and on the same two devices,
+# ib_write_bw rxe0 -> rxe1 (RC, 1 QP, 64 KiB) as the reference.
+# Claims: both ranks exit 0; every size reported with #wrong = 0; both ranks' PRISM_STATS name the
+# verbs backend; the bytes crossed the veth; ib_write_bw ran and moved data.
+# Numbers: prism-perf busbw and algbw per size (MB/s = 10^6 B/s; with 2 ranks all_reduce's busbw =
+# algbw = bytes each rank sends per second, i.e. one direction of the link), ib_write_bw MB/s (timed by
+# the bed from rxe1's packet counter, as in `perftest`), and prism/ib_write_bw ratios (largest size, and
+# best size). Note: all_reduce moves the bytes in both directions at once; ib_write_bw in one.
+. /prism/lib.sh
+SIZES_FLAGS=${SIZES_FLAGS:-"-b 1M -e 16M -f 4"}
+NSIZES=${NSIZES:-3}
+ITER_FLAGS=${ITER_FLAGS:-"-n 4 -w 1"}
+IB_ITERS=${IB_ITERS:-600}
+
+wire_setup; check wire_up $? "two rxe devices on the va/vb veth pair (va = 10.9.0.1)"
+gid=$(roce_v2_ipv4_gid_index rxe0) || gid=1
+metric_str transport "$TRANSPORT"
+metric rxe_active_mtu "$(active_mtu rxe0)"
+tx0=$(net_stat va tx_bytes); rx0=$(net_stat va rx_bytes)
+t0=$(up)
+# shellcheck disable=SC2086
+run_two_ranks perf "$(prism_env rxe0 va)" "$(prism_env rxe1 vb)" all_reduce $SIZES_FLAGS $ITER_FLAGS -c 1 -T 120
+metric prism_perf_seconds "$(awk -v a="$t0" -v b="$(up)" 'BEGIN { printf "%.1f", b - a }')"
+[ "$RC0" -eq 0 ] && [ "$RC1" -eq 0 ]; check prism_perf_exit_0 $? "rank 0 rc=$RC0, rank 1 rc=$RC1"
+check_perf prism "$OUT/perf.rank0.json" "$NSIZES"
+check_backend prism "$OUT/perf.rank0.json.rank0.stats.json" "$OUT/perf.rank1.json.rank1.stats.json"
+tx=$(( $(net_stat va tx_bytes) - tx0 )); rx=$(( $(net_stat va rx_bytes) - rx0 ))
+metric prism_va_tx_bytes "$tx"; metric prism_va_rx_bytes "$rx"
+[ "$tx" -gt 10000000 ] && [ "$rx" -gt 10000000 ]; check prism_bytes_crossed_the_veth $? "va tx +$tx B, rx +$rx B"
+
+# ib_write_bw on the same devices, same boot.
+start_sampler "$OUT/ib-rcvd.txt" /sys/class/infiniband/rxe1/ports/1/hw_counters/rcvd_pkts
+ib_write_bw -d rxe1 -x "$gid" -F -n "$IB_ITERS" -s 65536 -u 17 -p 18600 >"$OUT/ib-server.log" 2>&1 &
+srv=$!
+wait_listen 18600 10 || log "ib_write_bw server did not listen"
+timeout 120 ib_write_bw -d rxe0 -x "$gid" -F -n "$IB_ITERS" -s 65536 -u 17 -p 18600 10.9.0.2 >"$OUT/ib-client.log" 2>&1
+crc=$?
+wait "$srv"; src=$?
+stop_sampler
+ib=""; [ "$crc" -eq 0 ] && [ "$src" -eq 0 ] && ib=$(sampled_rate "$OUT/ib-rcvd.txt" $((IB_ITERS * 65536)))
+metric ib_write_bw_MBps "${ib:-null}"
+metric ib_write_bw_perftest_reported_MBps "$(perftest_bw "$OUT/ib-client.log")"
+is_pos "$ib"; check ib_write_bw_moves_data $? "ib_write_bw RC 1 QP 64 KiB rxe0 -> rxe1: ${ib:-failed} MB/s (client rc=$crc server rc=$src)"
+
+if is_pos "$ib" && [ -s /tmp/rows ]; then
+  last=$(tail -n1 /tmp/rows)
+  best=$(awk 'BEGIN { m = 0 } $3 > m { m = $3 } END { print m }' /tmp/rows)
+  set -- $last
+  metric prism_busbw_MBps_largest "$(awk -v b="$3" 'BEGIN { printf "%.2f", b * 1000 }')"
+  metric prism_busbw_MBps_best "$(awk -v b="$best" 'BEGIN { printf "%.2f", b * 1000 }')"
+  metric ratio_busbw_largest_vs_ib_write_bw "$(awk -v b="$3" -v i="$ib" 'BEGIN { printf "%.3f", b * 1000 / i }')"
+  metric ratio_busbw_best_vs_ib_write_bw "$(awk -v b="$best" -v i="$ib" 'BEGIN { printf "%.3f", b * 1000 / i }')"
+  metric ratio_algbw_largest_vs_ib_write_bw "$(awk -v b="$2" -v i="$ib" 'BEGIN { printf "%.3f", b * 1000 / i }')"
+fi
+finish

@@ -1,0 +1,612 @@
+//! One comm's verbs side: its QPs on every rail, the registrations of its outstanding buffers, and the
+//! translation between proto's datagrams and verbs operations (see `backend::verbs` for the scheme).
+//!
+//! Sender: proto writes a DATA header (its payload is not copied: the payload source only notes which
+//! bytes proto wanted), the payload goes as an RDMA WRITE WITH IMM from the send buffer to the address
+//! and rkey the receiver's CTS advertised, and the header follows as a SEND on the same QP. Receiver:
+//! proto's CTS is re-emitted with the buffers' registered addresses and per-rail rkeys; a header whose
+//! WRITE arrived goes to `Connection::handle_placed_data`, every other packet to `handle_datagram`.
+
+use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
+use std::sync::Arc;
+
+use super::TransportError;
+use crate::backend::verbs::{MrKeys, PostFail, QpSet, QpStats, RailPeer, RxEvent, VerbsDevice, SLOT_BYTES};
+use crate::proto::{Connection, MsgId, PayloadSource, Placer};
+use crate::wire::{CtsKeys, CtsPacket, CtsRepr, DataPacket, DataRepr, Header, PacketType, CTS_MAX_KEY_RAILS, DATA_HEADER_LEN};
+
+/// FENCE packets (engine level, never given to proto): `magic "PFNC"`, kind (1 = FENCE: no WRITE to
+/// this buffer is left in the sender's queues; 2 = FENCE_REQ: the receiver asks again), sub, 2 bytes 0,
+/// cts_seq (u64, big-endian).
+const FENCE_MAGIC: &[u8; 4] = b"PFNC";
+const FENCE_LEN: usize = 16;
+const FENCE: u8 = 1;
+const FENCE_REQ: u8 = 2;
+/// The receiver asks again for a FENCE it has waited this long for (µs).
+const FENCE_REQ_US: u64 = 20_000;
+/// ... and gives up waiting after this long (µs): a peer that answers nothing writes nothing either.
+const FENCE_GIVE_UP_US: u64 = 2_000_000;
+/// FENCEs the sender remembers (to answer repeated requests).
+const FENCES_KEPT: usize = 4096;
+
+fn fence_packet(kind: u8, cts_seq: u64, sub: u8) -> [u8; FENCE_LEN] {
+    let mut b = [0u8; FENCE_LEN];
+    b[..4].copy_from_slice(FENCE_MAGIC);
+    b[4] = kind;
+    b[5] = sub;
+    b[8..16].copy_from_slice(&cts_seq.to_be_bytes());
+    b
+}
+
+fn parse_fence(b: &[u8]) -> Option<(u8, u64, u8)> {
+    if b.len() != FENCE_LEN || &b[..4] != FENCE_MAGIC || !matches!(b[4], FENCE | FENCE_REQ) {
+        return None;
+    }
+    Some((b[4], u64::from_be_bytes(b[8..16].try_into().ok()?), b[5]))
+}
+
+/// A receive proto finished whose completion waits for the sender's FENCEs.
+struct Held {
+    msg: MsgId,
+    sizes: Vec<u64>,
+    need: Vec<(u64, u8)>,
+    since: u64,
+    asked: u64,
+}
+
+/// Most packets one transmit call posts (keeps test() short).
+const MAX_TX: usize = 256;
+/// Keyed CTS kept per connection (older ones are long matched).
+const MAX_REMOTE_CTS: usize = 1024;
+
+/// Records what proto asked for instead of copying it: the verbs backend sends from the buffer itself.
+#[derive(Default)]
+struct Recorder {
+    last: Option<(MsgId, u64, usize)>,
+}
+
+impl PayloadSource for Recorder {
+    fn read(&mut self, msg: MsgId, offset: u64, out: &mut [u8]) {
+        self.last = Some((msg, offset, out.len()));
+    }
+}
+
+/// The payload is already in place; nothing is ever copied on the verbs path.
+struct NoPlace;
+
+impl Placer for NoPlace {
+    fn place(&mut self, _: MsgId, _: usize, _: u64, _: &[u8]) {}
+}
+
+/// Counters of the verbs side of one comm.
+#[derive(Debug, Default, Clone, serde::Serialize)]
+pub(crate) struct VerbsCounters {
+    /// DATA whose CTS keys were unknown (not posted; proto resends).
+    pub missing_keys: u64,
+    /// DATA outside the advertised buffer (never posted).
+    pub bad_remote_range: u64,
+    /// Packets not posted because the QP was dead.
+    pub dead_qp_drops: u64,
+    /// Packets not posted because the send queue was full.
+    pub sq_full_drops: u64,
+    /// CTS sent with keys.
+    pub keyed_cts_sent: u64,
+    /// Keyed CTS received.
+    pub keyed_cts_received: u64,
+    /// Retransmissions not posted because an earlier copy of the same PSN was still in a send queue.
+    pub retx_held: u64,
+    /// FENCEs sent (sender) and received (receiver).
+    pub fences_sent: u64,
+    /// FENCEs received.
+    pub fences_received: u64,
+    /// FENCE requests sent (receiver waited more than 20 ms).
+    pub fence_requests: u64,
+    /// Receives completed without their FENCE after 2 s.
+    pub fence_give_ups: u64,
+    /// Receives whose completion waited for a FENCE.
+    pub receives_held: u64,
+}
+
+/// Registered ranges of one buffer: (addr, len) and its keys per rail.
+struct BufMem {
+    addr: usize,
+    keys: Vec<MrKeys>,
+}
+
+pub(crate) struct VerbsComm {
+    pub rails: Vec<QpSet>,
+    paths: u16,
+    /// Sender: keyed CTS by sequence number.
+    remote: BTreeMap<u64, CtsRepr>,
+    /// Receiver: which receive each CTS sequence number stands for (proto numbers its CTS 0, 1, 2,
+    /// ... in the order of successful `post_recv` calls).
+    recv_seq: HashMap<u64, MsgId>,
+    next_recv_seq: u64,
+    mem: HashMap<MsgId, Vec<BufMem>>,
+    txbuf: Vec<u8>,
+    ctsbuf: Vec<u8>,
+    /// WRITEs per PSN posted and not completed locally. A retransmission waits until none is left:
+    /// an older copy still queued could otherwise land after the receive completed and its buffer was
+    /// reused (an RDMA WRITE is placed before anybody can check it).
+    writes_out: HashMap<u64, u32>,
+    /// Sender: the buffer (cts_seq, sub) each outstanding PSN writes into, WRITEs left per buffer,
+    /// the buffer of each send, buffers whose FENCE waits for their WRITEs, FENCEs sent.
+    psn_target: HashMap<u64, (u64, u8)>,
+    writes_to: HashMap<(u64, u8), u32>,
+    msg_target: HashMap<MsgId, (u64, u8)>,
+    fence_wait: HashSet<(u64, u8)>,
+    fenced: VecDeque<(u64, u8)>,
+    fence_out: VecDeque<[u8; FENCE_LEN]>,
+    fence_rr: usize,
+    /// Sends done whose registrations wait for their last WRITE to leave the send queue.
+    release_later: HashMap<(u64, u8), MsgId>,
+    /// Receiver: FENCEs received, and the receives waiting for theirs.
+    fences_got: HashSet<(u64, u8)>,
+    held: Vec<Held>,
+    pub counters: VerbsCounters,
+}
+
+impl Drop for VerbsComm {
+    fn drop(&mut self) {
+        let msgs: Vec<MsgId> = self.mem.keys().copied().collect();
+        for m in msgs {
+            self.release(m);
+        }
+    }
+}
+
+/// The handshake's verbs block: `[rails u8][3 reserved]`, then per rail a [`RailPeer`].
+pub(crate) fn encode_peers(peers: &[RailPeer]) -> Vec<u8> {
+    let mut out = vec![peers.len() as u8, 0, 0, 0];
+    for p in peers {
+        p.encode(&mut out);
+    }
+    out
+}
+
+/// Parse the handshake's verbs block; every byte must be accounted for.
+pub(crate) fn decode_peers(b: &[u8]) -> Result<Vec<RailPeer>, TransportError> {
+    let bad = |why: &str| TransportError::ConnectionFailed(format!("bad verbs handshake block: {why}"));
+    if b.len() < 4 {
+        return Err(bad("shorter than its header"));
+    }
+    let n = b[0] as usize;
+    let mut at = 4;
+    let mut out = Vec::with_capacity(n);
+    for _ in 0..n {
+        let (p, used) = RailPeer::decode(&b[at..]).ok_or_else(|| bad("truncated rail"))?;
+        at += used;
+        out.push(p);
+    }
+    if at != b.len() {
+        return Err(bad("trailing bytes"));
+    }
+    Ok(out)
+}
+
+impl VerbsComm {
+    /// QPs on every rail for connection `token` (INIT, receives posted).
+    pub fn create(devs: &[Arc<VerbsDevice>], paths: u16, rc: bool, token: u64, max_payload: usize) -> Result<Self, TransportError> {
+        let base = crate::backend::verbs::flow_label_base(token, paths);
+        let rails = devs
+            .iter()
+            .map(|d| QpSet::new(d, paths, rc, base))
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(|e| TransportError::ConnectionFailed(format!("creating QPs: {e}")))?;
+        Ok(Self {
+            rails,
+            paths: paths.max(1),
+            remote: BTreeMap::new(),
+            recv_seq: HashMap::new(),
+            next_recv_seq: 0,
+            mem: HashMap::new(),
+            txbuf: vec![0u8; DATA_HEADER_LEN + max_payload],
+            ctsbuf: vec![0u8; SLOT_BYTES],
+            writes_out: HashMap::new(),
+            psn_target: HashMap::new(),
+            writes_to: HashMap::new(),
+            msg_target: HashMap::new(),
+            fence_wait: HashSet::new(),
+            fenced: VecDeque::new(),
+            fence_out: VecDeque::new(),
+            fence_rr: 0,
+            release_later: HashMap::new(),
+            fences_got: HashSet::new(),
+            held: Vec::new(),
+            counters: VerbsCounters::default(),
+        })
+    }
+
+    /// Our QPs' connection data, per rail.
+    pub fn local(&self) -> Vec<RailPeer> {
+        self.rails.iter().map(QpSet::local).collect()
+    }
+
+    /// Connect our QPs to the peer's (rails paired by index).
+    pub fn connect(&mut self, peers: &[RailPeer]) -> Result<(), TransportError> {
+        if peers.len() != self.rails.len() {
+            return Err(TransportError::ConnectionFailed(format!(
+                "peer has {} verbs rails, this end {} (use the same PRISM_IB_HCA count on both)",
+                peers.len(),
+                self.rails.len()
+            )));
+        }
+        for (set, p) in self.rails.iter_mut().zip(peers) {
+            set.connect(p).map_err(|e| TransportError::ConnectionFailed(format!("connecting QPs: {e}")))?;
+        }
+        Ok(())
+    }
+
+    /// Register (or find the registration of) each buffer on every rail, for message `msg`.
+    pub fn register(&mut self, msg: MsgId, bufs: &[(usize, usize)]) -> Result<(), TransportError> {
+        let mut mems = Vec::with_capacity(bufs.len());
+        for &(addr, len) in bufs {
+            if len == 0 {
+                // Nothing is ever written to or read from an empty buffer.
+                let none = MrKeys { key: (0, 0), lkey: 0, rkey: 0 };
+                mems.push(BufMem { addr, keys: vec![none; self.rails.len()] });
+                continue;
+            }
+            let mut keys = Vec::with_capacity(self.rails.len());
+            for set in &self.rails {
+                match set.device().acquire_covering(addr, len) {
+                    Ok(k) => keys.push(k),
+                    Err(e) => {
+                        for (set, k) in self.rails.iter().zip(&keys) {
+                            set.device().release(k.key);
+                        }
+                        for m in &mems {
+                            self.release_mem(m);
+                        }
+                        return Err(TransportError::InvalidArgument(format!("registering {len} bytes at {addr:#x}: {e}")));
+                    }
+                }
+            }
+            mems.push(BufMem { addr, keys });
+        }
+        self.mem.insert(msg, mems);
+        Ok(())
+    }
+
+    /// A receive was posted as `msg`: remember its CTS sequence number.
+    pub fn recv_posted(&mut self, msg: MsgId) {
+        self.recv_seq.insert(self.next_recv_seq, msg);
+        self.next_recv_seq += 1;
+    }
+
+    fn release_mem(&self, m: &BufMem) {
+        for (set, k) in self.rails.iter().zip(&m.keys) {
+            set.device().release(k.key);
+        }
+    }
+
+    /// Message `msg` is done: drop its registrations (for a send with WRITEs still queued, once they
+    /// have left).
+    pub fn release(&mut self, msg: MsgId) {
+        if self.release_later.values().any(|m| *m == msg) {
+            return;
+        }
+        self.release_now(msg);
+    }
+
+    fn release_now(&mut self, msg: MsgId) {
+        if let Some(mems) = self.mem.remove(&msg) {
+            for m in &mems {
+                self.release_mem(m);
+            }
+        }
+        self.recv_seq.retain(|_, m| *m != msg);
+    }
+
+    /// Reap completions and feed every received packet to `conn`.
+    pub fn poll(&mut self, conn: &mut Connection, now: u64) {
+        let mut done_psns = Vec::new();
+        let mut fences = Vec::new();
+        let Self { rails, remote, counters, .. } = self;
+        let nrails = rails.len();
+        for set in rails.iter_mut() {
+            set.poll_send(|psn| done_psns.push(psn));
+            set.check_states();
+            set.poll_recv(|ev| match ev {
+                RxEvent::Placed(h) => conn.handle_placed_data(h, now),
+                RxEvent::Packet(b) => {
+                    if let Some(f) = parse_fence(b) {
+                        fences.push(f);
+                        return;
+                    }
+                    if let Some(c) = keyed_cts(b) {
+                        if c.keys.is_some_and(|k| k.rails as usize == nrails) {
+                            counters.keyed_cts_received += 1;
+                            remote.insert(c.cts_seq, c);
+                            while remote.len() > MAX_REMOTE_CTS {
+                                remote.pop_first();
+                            }
+                        }
+                    }
+                    conn.handle_datagram(b, now, &mut NoPlace);
+                }
+            });
+        }
+        for psn in done_psns {
+            self.write_done(psn);
+        }
+        for (kind, cts_seq, sub) in fences {
+            if kind == FENCE {
+                self.counters.fences_received += 1;
+                self.fences_got.insert((cts_seq, sub));
+            } else if self.fenced.contains(&(cts_seq, sub)) {
+                self.fence_out.push_back(fence_packet(FENCE, cts_seq, sub));
+            }
+        }
+    }
+
+    /// A WRITE of `psn` left the send queue.
+    fn write_done(&mut self, psn: u64) {
+        let Some(n) = self.writes_out.get_mut(&psn) else { return };
+        *n -= 1;
+        if *n > 0 {
+            return;
+        }
+        self.writes_out.remove(&psn);
+        let Some(t) = self.psn_target.remove(&psn) else { return };
+        let left = self.writes_to.get_mut(&t).map(|n| {
+            *n -= 1;
+            *n
+        });
+        if left == Some(0) {
+            self.writes_to.remove(&t);
+            if self.fence_wait.remove(&t) {
+                self.fence(t);
+                if let Some(m) = self.release_later.remove(&t) {
+                    self.release_now(m);
+                }
+            }
+        }
+    }
+
+    /// Tell the receiver that no WRITE into buffer `t` is left on this side.
+    fn fence(&mut self, t: (u64, u8)) {
+        self.fenced.push_back(t);
+        while self.fenced.len() > FENCES_KEPT {
+            self.fenced.pop_front();
+        }
+        self.fence_out.push_back(fence_packet(FENCE, t.0, t.1));
+    }
+
+    /// Proto completed send `msg` (every byte acknowledged): its FENCE goes out once none of its
+    /// WRITEs is left in a send queue.
+    pub fn sent(&mut self, msg: MsgId) {
+        let Some(t) = self.msg_target.remove(&msg) else { return };
+        if self.writes_to.get(&t).is_some_and(|&n| n > 0) {
+            self.fence_wait.insert(t);
+            self.release_later.insert(t, msg);
+        } else {
+            self.fence(t);
+        }
+    }
+
+    /// Proto completed receive `msg`: `Some(sizes)` to report now, or `None` while a FENCE from the
+    /// sender is missing (a stale WRITE could still land; the buffer must not go back to NCCL yet).
+    pub fn received(&mut self, msg: MsgId, sizes: Vec<u64>, now: u64) -> Option<Vec<u64>> {
+        let Some(cts_seq) = self.recv_seq.iter().find(|(_, m)| **m == msg).map(|(s, _)| *s) else { return Some(sizes) };
+        let need: Vec<(u64, u8)> = sizes
+            .iter()
+            .enumerate()
+            .filter(|&(_, &n)| n > 0)
+            .map(|(i, _)| (cts_seq, i as u8))
+            .filter(|t| !self.fences_got.remove(t))
+            .collect();
+        if need.is_empty() {
+            return Some(sizes);
+        }
+        self.counters.receives_held += 1;
+        self.held.push(Held { msg, sizes, need, since: now, asked: now });
+        None
+    }
+
+    /// Held receives whose FENCEs arrived (or that waited too long); asks again for missing ones.
+    pub fn released(&mut self, now: u64) -> Vec<(MsgId, Vec<u64>)> {
+        let mut out = Vec::new();
+        let mut i = 0;
+        while i < self.held.len() {
+            let h = &mut self.held[i];
+            let got = &mut self.fences_got;
+            h.need.retain(|t| !got.remove(t));
+            let give_up = now.saturating_sub(h.since) > FENCE_GIVE_UP_US;
+            if h.need.is_empty() || give_up {
+                if give_up && !h.need.is_empty() {
+                    self.counters.fence_give_ups += 1;
+                    tracing::warn!(cts_seq = h.need[0].0, "no FENCE from the sender after 2 s: completing the receive anyway");
+                }
+                let h = self.held.swap_remove(i);
+                out.push((h.msg, h.sizes));
+                continue;
+            }
+            if now.saturating_sub(h.asked) > FENCE_REQ_US {
+                h.asked = now;
+                for &(c, s) in &h.need {
+                    self.fence_out.push_back(fence_packet(FENCE_REQ, c, s));
+                    self.counters.fence_requests += 1;
+                }
+            }
+            i += 1;
+        }
+        out
+    }
+
+    /// Send queued FENCE packets on a live QP (rotating over rails and QPs).
+    fn flush_fences(&mut self) {
+        let total = self.rails.len() * self.paths as usize;
+        while let Some(f) = self.fence_out.front().copied() {
+            let mut posted = false;
+            for _ in 0..total {
+                let k = self.fence_rr % total;
+                self.fence_rr = self.fence_rr.wrapping_add(1);
+                let (r, q) = (k / self.paths as usize, k % self.paths as usize);
+                if self.rails[r].is_dead(q) {
+                    continue;
+                }
+                if self.rails[r].post_send(q, &f).is_ok() {
+                    posted = true;
+                    break;
+                }
+            }
+            if !posted {
+                return;
+            }
+            if f[4] == FENCE {
+                self.counters.fences_sent += 1;
+            }
+            self.fence_out.pop_front();
+        }
+    }
+
+    /// Post what proto wants to send.
+    pub fn transmit(&mut self, conn: &mut Connection, now: u64) {
+        self.flush_fences();
+        let mut rec = Recorder::default();
+        for _ in 0..MAX_TX {
+            rec.last = None;
+            let Some(t) = conn.poll_transmit(now, &mut rec, &mut self.txbuf) else { return };
+            let nrails = self.rails.len();
+            let rail = (t.entropy / self.paths) as usize % nrails;
+            let q = (t.entropy % self.paths) as usize;
+            let ptype = Header::new_checked(&self.txbuf[..t.len]).ok().and_then(|h| h.packet_type().ok());
+            let res = match ptype {
+                Some(PacketType::Data) => self.post_data(rail, q, t.len, rec.last),
+                Some(PacketType::Cts) => self.post_cts(rail, q, t.len),
+                _ => self.rails[rail].post_send(q, &self.txbuf[..t.len]).map_err(Some),
+            };
+            match res {
+                Ok(()) | Err(None) => {}
+                Err(Some(PostFail::Dead)) => self.counters.dead_qp_drops += 1,
+                Err(Some(PostFail::Full)) => self.counters.sq_full_drops += 1,
+                Err(Some(PostFail::TooBig)) => tracing::warn!(len = t.len, "packet larger than a verbs slot: not sent"),
+            }
+        }
+    }
+
+    /// Err(None): not posted, already counted.
+    fn post_data(&mut self, rail: usize, q: usize, len: usize, read: Option<(MsgId, u64, usize)>) -> Result<(), Option<PostFail>> {
+        let bytes = &self.txbuf[..len];
+        let Ok(d) = DataPacket::new_checked(bytes).and_then(|p| DataRepr::parse(&p)) else { return Err(None) };
+        if d.len == 0 || d.trunc {
+            return self.rails[rail].post_send(q, &bytes[..DATA_HEADER_LEN]).map_err(Some);
+        }
+        let Some((msg, off, n)) = read.filter(|&(_, off, n)| off == d.offset && n == d.len as usize) else {
+            self.counters.missing_keys += 1;
+            return Err(None);
+        };
+        let Some(local) = self.mem.get(&msg).and_then(|m| m.first()) else {
+            self.counters.missing_keys += 1;
+            return Err(None);
+        };
+        let Some(cts) = self.remote.get(&d.cts_seq) else {
+            self.counters.missing_keys += 1;
+            return Err(None);
+        };
+        let (Some(keys), sub) = (cts.keys, d.sub as usize) else {
+            self.counters.missing_keys += 1;
+            return Err(None);
+        };
+        // proto checked this against the CTS it parsed; check again before the NIC writes remote memory.
+        let size = cts.bufs().get(sub).map_or(0, |b| b.size);
+        let end = d.offset.checked_add(u64::from(d.len));
+        if sub >= cts.n as usize || end.is_none_or(|e| e > size) {
+            self.counters.bad_remote_range += 1;
+            return Err(None);
+        }
+        if d.retx && self.writes_out.contains_key(&d.psn) {
+            self.counters.retx_held += 1;
+            return Err(None);
+        }
+        let raddr = keys.addr[sub] + d.offset;
+        let rkey = keys.rkey[sub][rail.min(CTS_MAX_KEY_RAILS - 1)];
+        let laddr = (local.addr as u64) + off;
+        let lkey = local.keys[rail].lkey;
+        self.rails[rail].post_data(q, laddr, lkey, n as u32, raddr, rkey, d.psn, &self.txbuf[..DATA_HEADER_LEN]).map_err(Some)?;
+        let t = (d.cts_seq, d.sub);
+        *self.writes_out.entry(d.psn).or_insert(0) += 1;
+        if self.psn_target.insert(d.psn, t).is_none() {
+            *self.writes_to.entry(t).or_insert(0) += 1;
+        }
+        self.msg_target.insert(msg, t);
+        Ok(())
+    }
+
+    fn post_cts(&mut self, rail: usize, q: usize, len: usize) -> Result<(), Option<PostFail>> {
+        let Ok(mut c) = CtsPacket::new_checked(&self.txbuf[..len]).and_then(|p| CtsRepr::parse(&p)) else { return Err(None) };
+        if let Some(mems) = self.recv_seq.get(&c.cts_seq).and_then(|m| self.mem.get(m)) {
+            let mut k = CtsKeys { rails: self.rails.len() as u8, ..CtsKeys::default() };
+            for (i, m) in mems.iter().enumerate().take(c.n as usize) {
+                k.addr[i] = m.addr as u64;
+                for (r, key) in m.keys.iter().enumerate().take(CTS_MAX_KEY_RAILS) {
+                    k.rkey[i][r] = key.rkey;
+                }
+            }
+            c.keys = Some(k);
+            self.counters.keyed_cts_sent += 1;
+        }
+        let n = c.buffer_len();
+        c.emit(&mut CtsPacket::new_unchecked(&mut self.ctsbuf[..n]));
+        self.rails[rail].post_send(q, &self.ctsbuf[..n]).map_err(Some)
+    }
+
+    /// Per-rail, per-QP counters.
+    pub fn stats(&self) -> serde_json::Value {
+        let rails: Vec<serde_json::Value> = self
+            .rails
+            .iter()
+            .map(|s| {
+                let qps: Vec<QpStats> = s.stats();
+                serde_json::json!({ "device": s.device().name, "qps": qps })
+            })
+            .collect();
+        serde_json::json!({ "counters": self.counters, "rails": rails })
+    }
+}
+
+/// A keyed CTS, parsed (None for anything else).
+fn keyed_cts(b: &[u8]) -> Option<CtsRepr> {
+    let h = Header::new_checked(b).ok()?;
+    if h.packet_type().ok()? != PacketType::Cts {
+        return None;
+    }
+    CtsPacket::new_checked(b).and_then(|p| CtsRepr::parse(&p)).ok().filter(|c| c.keys.is_some())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn fence_packets_round_trip_and_nothing_else_parses_as_one() {
+        let f = fence_packet(FENCE, 0x0102_0304_0506_0708, 7);
+        assert_eq!(parse_fence(&f), Some((FENCE, 0x0102_0304_0506_0708, 7)));
+        assert_eq!(parse_fence(&fence_packet(FENCE_REQ, 3, 0)), Some((FENCE_REQ, 3, 0)));
+        assert_eq!(parse_fence(&f[..FENCE_LEN - 1]), None);
+        let mut bad = f;
+        bad[4] = 9;
+        assert_eq!(parse_fence(&bad), None);
+        // A proto packet starts with its version byte (1), never with the magic.
+        let mut ctl = [0u8; crate::wire::CONTROL_LEN];
+        crate::wire::ControlRepr { token: 1, cts_ack: 0, kind: crate::wire::ControlKind::Ack, entropy: 0, ts_us: 0, cum_psn: 0 }
+            .emit(&mut crate::wire::ControlPacket::new_unchecked(&mut ctl[..]));
+        assert_eq!(parse_fence(&ctl), None);
+    }
+
+    #[test]
+    fn handshake_block_round_trips_and_rejects_garbage() {
+        let peers = vec![
+            RailPeer { gid: [1; 16], qps: vec![(0x11, 5), (0x12, 6)] },
+            RailPeer { gid: [2; 16], qps: vec![(0x21, 7), (0x22, 8)] },
+        ];
+        let b = encode_peers(&peers);
+        assert_eq!(decode_peers(&b).unwrap(), peers);
+        assert!(decode_peers(&b[..b.len() - 1]).is_err());
+        let mut long = b.clone();
+        long.push(0);
+        assert!(decode_peers(&long).is_err());
+        assert!(decode_peers(&[]).is_err());
+    }
+}
