@@ -68,8 +68,8 @@ const LEVELS: usize = 64_usize.div_ceil(DIGIT_BITS as usize);
 #[derive(Debug)]
 pub struct EventQueue {
     last: Ps,
-    /// `LEVELS × SLOTS` slots, level-major.
-    slots: Vec<Vec<(Ps, Event)>>,
+    /// `LEVELS × SLOTS` slots, level-major (a power of two: indices are masked, not bounds-checked).
+    slots: Box<[Vec<(Ps, Event)>; LEVELS * SLOTS]>,
     /// Per level, bit `d` set: slot `d` may hold items.
     bits: [[u64; SLOTS / 64]; LEVELS],
     /// Bit `l` set: level `l` may hold items.
@@ -84,7 +84,7 @@ impl Default for EventQueue {
     fn default() -> Self {
         Self {
             last: 0,
-            slots: (0..LEVELS * SLOTS).map(|_| Vec::new()).collect(),
+            slots: Box::new(std::array::from_fn(|_| Vec::new())),
             bits: [[0; SLOTS / 64]; LEVELS],
             levels: 0,
             head: 0,
@@ -116,8 +116,8 @@ impl EventQueue {
     #[inline]
     fn put(&mut self, at: Ps, ev: Event) {
         let (l, d) = slot_of(at, self.last);
-        self.slots[l * SLOTS + d].push((at, ev));
-        self.bits[l][d / 64] |= 1 << (d % 64);
+        self.slots[(l * SLOTS + d) & (LEVELS * SLOTS - 1)].push((at, ev));
+        self.bits[l & (LEVELS - 1)][(d / 64) & (SLOTS / 64 - 1)] |= 1 << (d % 64);
         self.levels |= 1 << l;
     }
 
@@ -133,8 +133,9 @@ impl EventQueue {
 
     #[inline]
     fn clear_bit(&mut self, l: usize, d: usize) {
-        self.bits[l][d / 64] &= !(1 << (d % 64));
-        if self.bits[l].iter().all(|&w| w == 0) {
+        let bits = &mut self.bits[l & (LEVELS - 1)];
+        bits[(d / 64) & (SLOTS / 64 - 1)] &= !(1 << (d % 64));
+        if bits.iter().all(|&w| w == 0) {
             self.levels &= !(1 << l);
         }
     }
