@@ -49,14 +49,14 @@ pub enum Event {
     Sample,
 }
 
-/// Bits of time per digit of the radix heap.
-const DIGIT_BITS: u32 = 8;
+/// Bits of time per digit of the radix heap: 64 slots per level, so one word marks a level's busy slots.
+const DIGIT_BITS: u32 = 6;
 /// Slots per level (one per digit value).
 const SLOTS: usize = 1 << DIGIT_BITS;
-/// Levels: 64-bit times in 8-bit digits.
-const LEVELS: usize = 64_usize.div_ceil(DIGIT_BITS as usize);
+/// Levels: 64-bit times in 6-bit digits need 11; 16 keeps indices maskable.
+const LEVELS: usize = 16;
 
-/// A monotone radix heap with 8-bit digits (a hierarchical timing wheel): keys (times) never go below
+/// A monotone radix heap with 6-bit digits (a hierarchical timing wheel): keys (times) never go below
 /// the last one popped (`last`), and an item sits in the slot (level `l`, digit `d`) where `l` is the
 /// highest digit in which its time differs from `last` and `d` is its time's digit there. Level 0
 /// slots therefore hold one exact time each and are consumed front to back; when level 0 is empty, the
@@ -70,8 +70,8 @@ pub struct EventQueue {
     last: Ps,
     /// `LEVELS × SLOTS` slots, level-major (a power of two: indices are masked, not bounds-checked).
     slots: Box<[Vec<(Ps, Event)>; LEVELS * SLOTS]>,
-    /// Per level, bit `d` set: slot `d` may hold items.
-    bits: [[u64; SLOTS / 64]; LEVELS],
+    /// Per level, bit `d` set: slot `d` holds items.
+    bits: [u64; LEVELS],
     /// Bit `l` set: level `l` may hold items.
     levels: u32,
     /// Items already popped from the current level-0 slot (the one of `last`).
@@ -85,7 +85,7 @@ impl Default for EventQueue {
         Self {
             last: 0,
             slots: Box::new(std::array::from_fn(|_| Vec::new())),
-            bits: [[0; SLOTS / 64]; LEVELS],
+            bits: [0; LEVELS],
             levels: 0,
             head: 0,
             len: 0,
@@ -117,25 +117,22 @@ impl EventQueue {
     fn put(&mut self, at: Ps, ev: Event) {
         let (l, d) = slot_of(at, self.last);
         self.slots[(l * SLOTS + d) & (LEVELS * SLOTS - 1)].push((at, ev));
-        self.bits[l & (LEVELS - 1)][(d / 64) & (SLOTS / 64 - 1)] |= 1 << (d % 64);
+        self.bits[l & (LEVELS - 1)] |= 1 << d;
         self.levels |= 1 << l;
     }
 
     /// The lowest set digit of level `l`, if any.
     #[inline]
     fn first_digit(&self, l: usize) -> Option<usize> {
-        self.bits[l]
-            .iter()
-            .enumerate()
-            .find(|(_, &w)| w != 0)
-            .map(|(i, &w)| i * 64 + w.trailing_zeros() as usize)
+        let w = self.bits[l & (LEVELS - 1)];
+        (w != 0).then(|| w.trailing_zeros() as usize)
     }
 
     #[inline]
     fn clear_bit(&mut self, l: usize, d: usize) {
         let bits = &mut self.bits[l & (LEVELS - 1)];
-        bits[(d / 64) & (SLOTS / 64 - 1)] &= !(1 << (d % 64));
-        if bits.iter().all(|&w| w == 0) {
+        *bits &= !(1 << d);
+        if *bits == 0 {
             self.levels &= !(1 << l);
         }
     }
