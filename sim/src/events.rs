@@ -49,18 +49,33 @@ pub enum Event {
     Sample,
 }
 
-/// A monotone radix heap: keys (times) never go below the last one popped, so an item's bucket is the
-/// highest bit in which its time differs from that last time. Pushes are O(1); a pop empties at most one
-/// bucket into lower ones. Items with equal times come out in the order they were pushed (bucket 0 is
-/// consumed front to back, and redistribution keeps insertion order), which keeps runs deterministic and
-/// same-instant events in scheduling order.
+/// Bits of time per digit of the radix heap: 64 slots per level, so one word marks a level's busy slots.
+const DIGIT_BITS: u32 = 6;
+/// Slots per level (one per digit value).
+const SLOTS: usize = 1 << DIGIT_BITS;
+/// Levels: 64-bit times in 6-bit digits need 11; 16 keeps indices maskable.
+const LEVELS: usize = 16;
+
+/// A monotone radix heap with 6-bit digits (a hierarchical timing wheel): keys (times) never go below
+/// the last one popped (`last`), and an item sits in the slot (level `l`, digit `d`) where `l` is the
+/// highest digit in which its time differs from `last` and `d` is its time's digit there. Level 0
+/// slots therefore hold one exact time each and are consumed front to back; when level 0 is empty, the
+/// lowest non-empty slot above is emptied into lower levels around its earliest time. An item moves
+/// at most once per level (three or four times for the spans a run has), pushes are O(1), and the
+/// next non-empty slot is found with bit masks. Items with equal times come out in the order they were
+/// pushed (equal times always share a slot, and redistribution keeps insertion order), which keeps runs
+/// deterministic and same-instant events in scheduling order.
 #[derive(Debug)]
 pub struct EventQueue {
     last: Ps,
-    buckets: Vec<Vec<(Ps, Event)>>,
-    head0: usize,
-    /// Bit b set: bucket b (b ≥ 1) may hold items (a scan for the next bucket is one instruction).
-    nonempty: u128,
+    /// `LEVELS × SLOTS` slots, level-major (a power of two: indices are masked, not bounds-checked).
+    slots: Box<[Vec<(Ps, Event)>; LEVELS * SLOTS]>,
+    /// Per level, bit `d` set: slot `d` holds items.
+    bits: [u64; LEVELS],
+    /// Bit `l` set: level `l` may hold items.
+    levels: u32,
+    /// Items already popped from the current level-0 slot (the one of `last`).
+    head: usize,
     len: usize,
     popped: u64,
 }
@@ -69,18 +84,27 @@ impl Default for EventQueue {
     fn default() -> Self {
         Self {
             last: 0,
-            buckets: (0..65).map(|_| Vec::new()).collect(),
-            head0: 0,
-            nonempty: 0,
+            slots: Box::new(std::array::from_fn(|_| Vec::new())),
+            bits: [0; LEVELS],
+            levels: 0,
+            head: 0,
             len: 0,
             popped: 0,
         }
     }
 }
 
+/// The slot (level, digit) of time `at` relative to `last` (`at >= last`).
 #[inline]
-fn bucket(a: Ps, b: Ps) -> usize {
-    (64 - (a ^ b).leading_zeros()) as usize
+fn slot_of(at: Ps, last: Ps) -> (usize, usize) {
+    let x = at ^ last;
+    let level = if x == 0 {
+        0
+    } else {
+        ((63 - x.leading_zeros()) / DIGIT_BITS) as usize
+    };
+    let digit = ((at >> (level as u32 * DIGIT_BITS)) as usize) & (SLOTS - 1);
+    (level, digit)
 }
 
 impl EventQueue {
@@ -89,44 +113,96 @@ impl EventQueue {
         Self::default()
     }
 
+    #[inline]
+    fn put(&mut self, at: Ps, ev: Event) {
+        let (l, d) = slot_of(at, self.last);
+        self.slots[(l * SLOTS + d) & (LEVELS * SLOTS - 1)].push((at, ev));
+        self.bits[l & (LEVELS - 1)] |= 1 << d;
+        self.levels |= 1 << l;
+    }
+
+    /// The lowest set digit of level `l`, if any.
+    #[inline]
+    fn first_digit(&self, l: usize) -> Option<usize> {
+        let w = self.bits[l & (LEVELS - 1)];
+        (w != 0).then(|| w.trailing_zeros() as usize)
+    }
+
+    #[inline]
+    fn clear_bit(&mut self, l: usize, d: usize) {
+        let bits = &mut self.bits[l & (LEVELS - 1)];
+        *bits &= !(1 << d);
+        if *bits == 0 {
+            self.levels &= !(1 << l);
+        }
+    }
+
     /// Schedule `ev` at time `at` (never before the last event popped: it is moved up to it).
     #[inline]
     pub fn push(&mut self, at: Ps, ev: Event) {
         let at = at.max(self.last);
-        let b = bucket(at, self.last);
-        self.buckets[b].push((at, ev));
-        self.nonempty |= 1 << b;
+        self.put(at, ev);
         self.len += 1;
     }
 
     /// The earliest event, removed from the queue.
     #[inline]
     pub fn pop(&mut self) -> Option<(Ps, Event)> {
-        if self.head0 == self.buckets[0].len() {
-            self.buckets[0].clear();
-            self.head0 = 0;
-            let i = (1..self.buckets.len()).find(|&i| !self.buckets[i].is_empty())?;
-            let items = std::mem::take(&mut self.buckets[i]);
-            self.last = items
-                .iter()
-                .map(|x| x.0)
-                .min()
-                .expect("bucket is not empty");
-            for &(at, ev) in &items {
-                self.buckets[bucket(at, self.last)].push((at, ev));
+        loop {
+            let cur = (self.last as usize) & (SLOTS - 1);
+            let slot = &mut self.slots[cur];
+            if self.head < slot.len() {
+                let e = slot[self.head];
+                self.head += 1;
+                self.len -= 1;
+                self.popped += 1;
+                return Some(e);
             }
-            // Give the emptied bucket its allocation back for the next time.
-            let mut items = items;
-            items.clear();
-            if self.buckets[i].is_empty() {
-                self.buckets[i] = items;
-            }
+            self.next_slot(cur)?;
         }
-        let e = self.buckets[0][self.head0];
-        self.head0 += 1;
-        self.len -= 1;
-        self.popped += 1;
-        Some(e)
+    }
+
+    /// The current level-0 slot `cur` is exhausted: make `last` the time of the next items.
+    #[cold]
+    fn next_slot(&mut self, cur: usize) -> Option<()> {
+        if self.head > 0 {
+            self.slots[cur].clear();
+            self.head = 0;
+            self.clear_bit(0, cur);
+        }
+        if self.levels == 0 {
+            return None;
+        }
+        if let Some(d) = self.first_digit(0) {
+            // Level 0 holds exact times that share every higher digit with `last`.
+            self.last = (self.last & !((SLOTS - 1) as Ps)) | d as Ps;
+            return Some(());
+        }
+        let l = self.levels.trailing_zeros() as usize;
+        let d = self.first_digit(l).expect("level bit set");
+        let idx = l * SLOTS + d;
+        if self.slots[idx].len() == 1 {
+            // The common case at picosecond resolution: one item, which becomes the next time.
+            let (at, ev) = self.slots[idx][0];
+            self.slots[idx].clear();
+            self.clear_bit(l, d);
+            self.last = at;
+            self.put(at, ev);
+            return Some(());
+        }
+        self.last = self.slots[idx]
+            .iter()
+            .map(|x| x.0)
+            .min()
+            .expect("slot bit set");
+        self.clear_bit(l, d);
+        // Every item lands below level `l`, so the slot is read in place and emptied afterwards.
+        for i in 0..self.slots[idx].len() {
+            let (at, ev) = self.slots[idx][i];
+            self.put(at, ev);
+        }
+        self.slots[idx].clear();
+        Some(())
     }
 
     /// Events waiting.
@@ -148,6 +224,7 @@ impl EventQueue {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use rand::Rng;
 
     #[test]
     fn events_pop_in_time_order_and_ties_in_scheduling_order() {
@@ -171,8 +248,22 @@ mod tests {
 
     #[test]
     fn a_random_schedule_pops_sorted_and_stable_against_a_reference() {
-        use rand::{rngs::SmallRng, Rng, SeedableRng};
-        let seed = 11;
+        check_against_reference(11, |rng, now| {
+            now + rng.gen_range(0..3) * rng.gen_range(0..1_000_000u64)
+        });
+    }
+
+    #[test]
+    fn times_spread_over_many_digits_pop_sorted_and_stable() {
+        // Offsets from 0 to 2^44 ps, many of them equal, cross every level boundary of the heap.
+        check_against_reference(12, |rng, now| {
+            let shift = rng.gen_range(0..44);
+            now + (rng.gen_range(0..4u64) << shift)
+        });
+    }
+
+    fn check_against_reference(seed: u64, next: impl Fn(&mut rand::rngs::SmallRng, Ps) -> Ps) {
+        use rand::{rngs::SmallRng, SeedableRng};
         let mut rng = SmallRng::seed_from_u64(seed);
         let mut q = EventQueue::new();
         let mut reference: Vec<(Ps, u32)> = Vec::new();
@@ -181,7 +272,7 @@ mod tests {
         let mut out = Vec::new();
         for _ in 0..20_000 {
             if rng.gen_bool(0.55) {
-                let at = now + rng.gen_range(0..3) * rng.gen_range(0..1_000_000u64);
+                let at = next(&mut rng, now);
                 q.push(at, Event::PortFree { port: id });
                 reference.push((at, id));
                 id += 1;
@@ -200,6 +291,7 @@ mod tests {
         sorted_out.sort_by_key(|&(t, _)| t);
         assert_eq!(sorted_out, reference, "seed {seed}");
         for w in out.windows(2) {
+            assert!(w[0].0 <= w[1].0, "seed {seed}: popped out of time order");
             if w[0].0 == w[1].0 {
                 assert!(w[0].1 < w[1].1, "seed {seed}: ties out of pushing order");
             }

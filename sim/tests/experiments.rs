@@ -142,6 +142,22 @@ fn seed_001_ethereal_beats_spraying_and_ecmp_on_recursive_doubling() {
 }
 
 #[test]
+fn seed_001_ethereal_still_beats_spraying_and_ecmp_under_per_packet_congestion_control() {
+    let r = ci("001-ethereal-rd-dctcp");
+    let seed = r.runs[0].seed;
+    let size = *r.summary.iter().map(|x| &x.size).max().expect("sizes");
+    let at = |s: &str| r.row(s, size, false).expect("row").cct_us;
+    for other in ["spray", "REPS", "ECMP"] {
+        assert!(
+            at("Ethereal") < at(other),
+            "seed {seed}: Ethereal {} µs vs {other} {} µs",
+            at("Ethereal"),
+            at(other)
+        );
+    }
+}
+
+#[test]
 fn seed_001_every_scheme_is_about_the_same_on_a_ring() {
     let r = ci("001-ethereal-ring");
     let c: Vec<f64> = ["Ethereal", "spray", "REPS"]

@@ -314,6 +314,12 @@ impl Sim {
             if done(self) {
                 return;
             }
+            // The amortised deadline must always be the scanned one, through every loss, timeout,
+            // dead path and revival these scenarios produce.
+            for (i, end) in self.ends.iter_mut().enumerate() {
+                let scanned = end.conn.poll_timeout();
+                assert_eq!(end.conn.next_timeout(), scanned, "end {i} at {} µs: next_timeout differs from poll_timeout", self.now);
+            }
             let next = self.next_event().unwrap_or_else(|| {
                 panic!("at {} µs nothing is pending but the run is not done: a driver would sleep forever", self.now)
             });

@@ -5,6 +5,7 @@ use std::collections::VecDeque;
 
 use prism_lb::PathPolicy;
 
+use super::deadline::RtoDeadlines;
 use super::path::{Path, Probe};
 use super::receiver::RxState;
 use super::rtt::RttEstimator;
@@ -93,6 +94,10 @@ pub struct Connection {
     /// a failure that killed dozens of entropies does not turn into a stream of probes into it.
     next_probe_at: Micros,
     ctl_rr: u16,
+    /// Per-path retransmission deadlines for `next_timeout`.
+    pub(super) rto_deadlines: RtoDeadlines,
+    /// Paths now marked dead.
+    pub(super) dead_paths: u16,
 }
 
 impl std::fmt::Debug for Connection {
@@ -113,6 +118,7 @@ impl Connection {
         let cfg = cfg.sanitized();
         let rtt = RttEstimator::new(cfg.rto_min_us, cfg.rto_max_us, cfg.rto_initial_us);
         let paths = (0..cfg.n_paths).map(|_| Path::new(rtt.clone())).collect();
+        let rto_deadlines = RtoDeadlines::new(cfg.n_paths);
         let stats = ConnStats {
             reorder_threshold: cfg.reorder_threshold,
             paths: (0..cfg.n_paths).map(|entropy| PathStats { entropy, rto_us: rtt.rto_us(), ..PathStats::default() }).collect(),
@@ -140,6 +146,8 @@ impl Connection {
             probes_due: VecDeque::new(),
             next_probe_at: 0,
             ctl_rr: 0,
+            rto_deadlines,
+            dead_paths: 0,
         }
     }
 
@@ -335,6 +343,7 @@ impl Connection {
         self.ping_due = false;
         self.pong_due = None;
         self.probes_due.clear();
+        self.rto_deadlines.touch_all();
         for (path, ps) in self.paths.iter_mut().zip(&mut self.stats.paths) {
             path.queue.clear();
             path.in_flight = 0;
@@ -377,7 +386,7 @@ impl Connection {
     }
 
     fn on_path_timers(&mut self, now: Micros) {
-        if self.work_since.is_none() {
+        if self.work_since.is_none() || self.dead_paths == 0 {
             return;
         }
         let probe_wait = self.ctl_rtt.rto_us();
@@ -452,6 +461,33 @@ impl Connection {
         .into_iter()
         .flatten()
         .min()
+    }
+
+    /// The same deadline as [`poll_timeout`](Self::poll_timeout), amortised O(1) instead of a scan of
+    /// every path and every outstanding CTS: per-path retransmission deadlines are cached and only the
+    /// paths that changed since the last call are looked at again, dead-path timers are skipped while
+    /// no path is dead, and CTS timers are looked for only among CTS not yet acknowledged. For drivers
+    /// with many connections (the fabric simulator).
+    pub fn next_timeout(&mut self) -> Option<Micros> {
+        if !matches!(self.life, Life::Open) {
+            return None;
+        }
+        fn min(a: Option<Micros>, b: Option<Micros>) -> Option<Micros> {
+            match (a, b) {
+                (Some(a), Some(b)) => Some(a.min(b)),
+                (a, None) => a,
+                (None, b) => b,
+            }
+        }
+        let mut t = self.rto_deadlines.earliest(&self.paths);
+        t = min(t, self.peer_deadline().map(|(_, d)| d));
+        t = min(t, self.keepalive_deadline());
+        t = min(t, self.sack_deadline());
+        t = min(t, self.unacked_cts_deadline());
+        if self.dead_paths > 0 {
+            t = min(t, self.path_timer_deadline());
+        }
+        t
     }
 
     /// The next datagram to send, written into `out` (which should hold `max_payload +

@@ -35,6 +35,7 @@
 
 mod config;
 mod connection;
+mod deadline;
 mod path;
 mod receiver;
 mod rtt;

@@ -133,6 +133,19 @@ impl Connection {
             .min()
     }
 
+    /// `cts_deadline` looking only at groups from the first unacknowledged CTS on (groups are in CTS
+    /// order, and acknowledged ones never time out).
+    pub(super) fn unacked_cts_deadline(&self) -> Option<Micros> {
+        let rto = self.ctl_rtt.rto_us();
+        let first = self.rx.groups.partition_point(|g| g.seq < self.rx.cts_acked);
+        self.rx
+            .groups
+            .range(first..)
+            .filter(|g| !g.cts_queued)
+            .filter_map(|g| g.cts_sent_at.map(|at| at.saturating_add(self.cts_backoff(rto, g.cts_retries))))
+            .min()
+    }
+
     fn cts_backoff(&self, rto: u64, retries: u32) -> u64 {
         rto.saturating_mul(1 << retries.min(16)).min(self.cfg.rto_max_us)
     }
@@ -140,7 +153,9 @@ impl Connection {
     /// Queue every CTS whose timer expired for retransmission.
     pub(super) fn on_cts_timers(&mut self, now: Micros) {
         let rto = self.ctl_rtt.rto_us();
-        for i in 0..self.rx.groups.len() {
+        // Groups are in CTS order and acknowledged ones never expire: start at the first unacknowledged.
+        let first = self.rx.groups.partition_point(|g| g.seq < self.rx.cts_acked);
+        for i in first..self.rx.groups.len() {
             let g = &self.rx.groups[i];
             let expired = g.seq >= self.rx.cts_acked
                 && !g.cts_queued

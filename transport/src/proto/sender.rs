@@ -330,6 +330,7 @@ impl Connection {
         if entropy >= self.cfg.n_paths || rtt > i32::MAX as u32 {
             return None;
         }
+        self.rto_deadlines.touch(entropy);
         let path = &mut self.paths[entropy as usize];
         path.rtt.sample(u64::from(rtt));
         let base = *path.base_rtt_us.get_or_insert(rtt);
@@ -476,6 +477,7 @@ impl Connection {
             if self.paths[e as usize].health != PathHealth::Dead {
                 continue;
             }
+            self.rto_deadlines.touch(e);
             while let Some(&TxEntry { tx_seq, psn, .. }) = self.paths[e as usize].queue.front() {
                 self.paths[e as usize].queue.pop_front();
                 if self.tx.is_live(tx_seq, psn) {
@@ -487,6 +489,7 @@ impl Connection {
 
     /// Keep the invariant that a path's queue front is a packet in flight on it.
     fn clean_path_front(&mut self, entropy: u16) {
+        self.rto_deadlines.touch(entropy);
         let tx = &self.tx;
         let q = &mut self.paths[entropy as usize].queue;
         while let Some(f) = q.front() {
@@ -517,11 +520,16 @@ impl Connection {
 
     /// Move a path to a new health state, telling the policy when it dies or comes back.
     pub(super) fn set_health(&mut self, entropy: u16, health: PathHealth, now: Micros) {
-        let path = &mut self.paths[entropy as usize];
-        let was = path.health;
+        let was = self.paths[entropy as usize].health;
         if was == health {
             return;
         }
+        if health == PathHealth::Dead {
+            self.dead_paths += 1;
+        } else if was == PathHealth::Dead {
+            self.dead_paths -= 1;
+        }
+        let path = &mut self.paths[entropy as usize];
         path.health = health;
         let ps = &mut self.stats.paths[entropy as usize];
         ps.state = health;
@@ -565,6 +573,11 @@ impl Connection {
     /// Fire every expired per-path RTO: the path gets a timeout (suspect, dead after
     /// `path_dead_after`), its expired packets are lost and will be resent elsewhere.
     pub(super) fn on_rto(&mut self, now: Micros) {
+        if !self.rto_deadlines.earliest(&self.paths).is_some_and(|d| d <= now) {
+            // Nothing expired (the cached minimum is exact): only the dead-path flush below applies.
+            self.flush_dead_paths(now);
+            return;
+        }
         let mut any = false;
         for e in 0..self.cfg.n_paths {
             let rto = self.paths[e as usize].rtt.rto_us();
@@ -573,6 +586,7 @@ impl Connection {
                 _ => continue,
             }
             any = true;
+            self.rto_deadlines.touch(e);
             let (front_tx_seq, front_sent_at) = self.paths[e as usize].queue.front().map_or((0, 0), |f| (f.tx_seq, f.sent_at));
             self.path_timeout(e, front_tx_seq, front_sent_at, now);
             let dead = self.paths[e as usize].health == PathHealth::Dead;
@@ -616,6 +630,7 @@ impl Connection {
                 .is_some_and(|f| self.tx.is_live(f.tx_seq, f.psn) && f.sent_at <= sent_at.saturating_add(rto))
         });
         let blame = sent_at >= self.tx.exempt_before && (self.tx.acked_sent_at > sent_at || !others_stuck);
+        self.rto_deadlines.touch(entropy);
         let path = &mut self.paths[entropy as usize];
         path.rtt.on_timeout();
         if !blame {
@@ -759,6 +774,7 @@ impl Connection {
             src.read(old.msg, old.offset, &mut pkt.payload_mut()[..old.len as usize]);
         }
         self.paths[entropy as usize].queue.push_back(TxEntry { tx_seq, psn, sent_at: now });
+        self.rto_deadlines.touch(entropy);
         self.paths[entropy as usize].in_flight += 1;
         self.tx.tx_order.push_back((tx_seq, psn));
         self.tx.in_flight += 1;
