@@ -97,6 +97,30 @@ wire_setup() {
   return 1
 }
 
+# One rxe (rxe0) on one end of a veth pair with its own address and no policy routing: both ranks on
+# rxe0 reach each other through rxe's loopback path (notes 2.1). The wire setup's rules would send rxe0's
+# packets out of va to rxe1 instead, so two processes sharing rxe0 need this one.
+loop_setup() {
+  modprobe -a veth rdma_rxe || return 1
+  ip link set lo up
+  ip link add va type veth peer name vb || return 1
+  ip link set va mtu "${MTU:-1500}"
+  ip link set vb mtu "${MTU:-1500}"
+  ip addr add 10.9.0.1/24 dev va
+  ip link set va up
+  ip link set vb up
+  rdma link add rxe0 type rxe netdev va || return 1
+  for _ in 1 2 3 4 5 6 7 8 9 10; do
+    if rdma link show rxe0/1 | grep -q 'state ACTIVE'; then
+      log "loop up: $(rdma link show | tr '\n' ' ')"
+      return 0
+    fi
+    sleep 0.5
+  done
+  log "rxe0 did not become ACTIVE: $(rdma link show | tr '\n' ' ')"
+  return 1
+}
+
 # The RoCEv2 GID index whose GID is IPv4-mapped (1 on this kernel's rxe; looked up, not assumed).
 roce_v2_ipv4_gid_index() {
   dev=$1

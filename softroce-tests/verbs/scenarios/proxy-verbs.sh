@@ -5,15 +5,16 @@
 # and a canary; it prints one "[vN] PASS|FAIL" summary and exits non-zero on any failure.
 # Claims per version: exit 0, the "[vN] PASS" line, no FAIL line, and both processes' PRISM_STATS name
 # the verbs backend (so a silent UDP fallback fails the scenario).
-# Devices: both ranks on HCAS (default rxe0: rxe's loopback path on one device; HCAS=rxe0,rxe1 gives two
-# rails, rail r of one rank talking to rail r of the other).
+# Devices: both ranks on rxe0, alone on va with its own address (loop_setup), so the two processes talk
+# through rxe's loopback path. (On the wire setup both ranks' rxe0 packets would leave through va and land
+# on rxe1, which no rank listens on.)
 . /prism/lib.sh
 VERSIONS=${VERSIONS:-"v9 v10 v11 v12"}
-HCAS=${HCAS:-rxe0}
+HCAS=rxe0
 IFS_FOR_HCAS=${IFS_FOR_HCAS:-va}
 PROXY_LIMIT=${PROXY_LIMIT:-400}   # seconds per version, whole program (its own per-wait limit is 120 s)
 
-wire_setup; check wire_up $? "two rxe devices on the va/vb veth pair"
+loop_setup; check loop_up $? "rxe0 on va (10.9.0.1), loopback path"
 [ -x /opt/prism/proxy_test ] && [ -f /opt/prism/libnccl-net-prism.so ]
 check proxy_test_and_plugin_present $? "/opt/prism: $(ls /opt/prism | tr '\n' ' ')"
 metric_str transport "$TRANSPORT"
