@@ -63,12 +63,17 @@ SCENARIO=$(basename "$0" .sh)
 # output interface: rxe (and ib_core's address resolution) set the flow's oif to its netdev, so RoCE
 # packets leave through the wire while received packets (no oif) still hit the local table.
 # va = 10.9.0.1 (rxe0), vb = 10.9.0.2 (rxe1). MTU from $MTU (1500: rxe path MTU 1024; 9000: 4096).
-wire_setup() {
+# The va/vb veth pair both setups start from (MTU from $MTU, default 1500).
+veth_pair() {
   modprobe -a veth rdma_rxe || return 1
   ip link set lo up
   ip link add va type veth peer name vb || return 1
   ip link set va mtu "${MTU:-1500}"
   ip link set vb mtu "${MTU:-1500}"
+}
+
+wire_setup() {
+  veth_pair || return 1
   ip addr add 10.9.0.1/24 dev va
   ip addr add 10.9.0.2/24 dev vb
   for i in all default va vb; do
@@ -101,11 +106,7 @@ wire_setup() {
 # rxe0 reach each other through rxe's loopback path (notes 2.1). The wire setup's rules would send rxe0's
 # packets out of va to rxe1 instead, so two processes sharing rxe0 need this one.
 loop_setup() {
-  modprobe -a veth rdma_rxe || return 1
-  ip link set lo up
-  ip link add va type veth peer name vb || return 1
-  ip link set va mtu "${MTU:-1500}"
-  ip link set vb mtu "${MTU:-1500}"
+  veth_pair || return 1
   ip addr add 10.9.0.1/24 dev va
   ip link set va up
   ip link set vb up
