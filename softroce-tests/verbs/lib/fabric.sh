@@ -173,7 +173,7 @@ fabric_2vm() {
   # One entry: the host's checks, then each VM's checks prefixed with its role; metrics likewise.
   local wall
   wall=$(elapsed "$t0")
-  jq -n --arg name "$name" --argjson wall "$wall" \
+  jq -c -n --arg name "$name" --argjson wall "$wall" \
     --slurpfile hc "$hchecks" --slurpfile hm "$hmetrics" \
     --slurpfile ra <(jq -c . "$dir/a/result.json" 2>/dev/null || echo '{}') \
     --slurpfile rb <(jq -c . "$dir/b/result.json" 2>/dev/null || echo '{}') \
