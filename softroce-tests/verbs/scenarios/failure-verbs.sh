@@ -9,7 +9,8 @@
 # Claims: rail 0 carried >= 10 % of the packets before the fault, and none during it; prism-perf (both ranks) exits 0
 # within the hard limit (no hang) with #wrong = 0 at every size; the run was still going when the fault
 # ended (the fault really fell mid-transfer); both ranks' PRISM_STATS name the verbs backend; data kept
-# flowing during the fault on rail 1, or flowed again after it.
+# flowing during the fault on rail 1, or flowed again after it; with FAULT=down, rail 0 (whose QPs all died)
+# carries data again after the fault (its QPs were re-created).
 # Numbers: packets per rail before/during/after, longest stall of all delivery, rail 0's recovery
 # (fault end -> first packet delivered on rail 0 again), any-rail recovery (fault end -> first delivery on any rail),
 # run time.
@@ -123,4 +124,10 @@ check_perf prism "$OUT/perf.rank0.json" "$NSIZES"
 check_backend prism "$OUT/perf.rank0.json.rank0.stats.json" "$OUT/perf.rank1.json.rank1.stats.json"
 { [ "$m1" -gt 0 ] || [ "$rec_any_ms" != null ]; }
 check delivery_continued_or_resumed $? "rail 1 delivered $m1 packets during the fault; first delivery after it: ${rec_any_ms} ms; rail 0 again after ${rec0_ms} ms"
+# A local link flap kills every QP of rail 0 (error completions); they are re-created in the background
+# once the port is active again, so rail 0 must carry data again.
+if [ "$FAULT" = down ]; then
+  [ "$rec0_ms" != null ] && [ "$a0" -gt 0 ]
+  check rail0_delivering_again_after_the_fault $? "rail 0 delivering again after ${rec0_ms} ms ($a0 packets after the fault)"
+fi
 finish

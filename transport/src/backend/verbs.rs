@@ -420,14 +420,19 @@ pub struct QpStats {
     pub orphan_headers: u64,
     /// Error completions.
     pub errors: u64,
-    /// The QP went to the error state or reported an error completion.
+    /// The QP went to the error state or reported an error completion (and is not re-created yet).
     pub dead: bool,
+    /// Times the QP was re-created (reset and connected again to the peer's) after it died.
+    pub recreated: u64,
 }
 
 struct Qp {
     // The QP must be destroyed before its CQs (sideway asserts on ibv_destroy_cq).
     qp: ExtendedQueuePair,
     psn: u32,
+    /// Bumped by every reset; carried in the work request ids so that completions of WRs posted
+    /// before a reset are recognised and ignored.
+    gen: u16,
     wrs_in_flight: usize,
     slots_in_flight: usize,
     next_slot: usize,
@@ -507,12 +512,13 @@ pub enum PostFail {
 const KIND_WRITE: u64 = 0;
 const KIND_SLOT: u64 = 1;
 
-fn wr_id(q: usize, kind: u64, slot: usize) -> u64 {
-    ((q as u64) << 32) | (kind << 24) | slot as u64
+fn wr_id(q: usize, gen: u16, kind: u64, slot: usize) -> u64 {
+    (u64::from(gen) << 48) | (((q as u64) & 0xffff) << 32) | (kind << 24) | slot as u64
 }
 
-fn wr_parts(id: u64) -> (usize, u64, usize) {
-    ((id >> 32) as usize, (id >> 24) & 0xff, (id & 0xff_ffff) as usize)
+/// (QP index, generation, kind, slot).
+fn wr_parts(id: u64) -> (usize, u16, u64, usize) {
+    (((id >> 32) & 0xffff) as usize, (id >> 48) as u16, (id >> 24) & 0xff, (id & 0xff_ffff) as usize)
 }
 
 /// One connection's QPs on one rail.
@@ -526,6 +532,8 @@ pub struct QpSet {
     dev: Arc<VerbsDevice>,
     rc: bool,
     connected: bool,
+    /// The peer's GID on this rail (known once connected).
+    peer_gid: [u8; 16],
 }
 
 impl QpSet {
@@ -563,6 +571,7 @@ impl QpSet {
             qps.push(Qp {
                 qp,
                 psn,
+                gen: 0,
                 wrs_in_flight: 0,
                 slots_in_flight: 0,
                 next_slot: 0,
@@ -571,7 +580,7 @@ impl QpSet {
                 stats,
             });
         }
-        let mut set = Self { qps, send_cq, recv_cq, send_ring, recv_ring, dev: dev.clone(), rc, connected: false };
+        let mut set = Self { qps, send_cq, recv_cq, send_ring, recv_ring, dev: dev.clone(), rc, connected: false, peer_gid: [0; 16] };
         for q in 0..n {
             for s in 0..RECV_DEPTH {
                 set.post_recv(q, q * RECV_DEPTH + s)?;
@@ -598,41 +607,96 @@ impl QpSet {
                 detail: format!("peer has {} QPs on this rail, we have {}", peer.qps.len(), self.qps.len()),
             });
         }
-        let gid = Gid { raw: peer.gid };
-        for (q, &(rqpn, rpsn)) in self.qps.iter_mut().zip(&peer.qps) {
-            let mut ah = AddressHandleAttribute::new();
-            ah.setup_dest_lid(0).setup_port(1).setup_service_level(0).setup_grh(&gid, q.stats.flow_label, self.dev.gid_index, 64, 0);
-            let mut a = QueuePairAttribute::new();
-            a.setup_state(QueuePairState::ReadyToReceive)
-                .setup_path_mtu(self.dev.mtu)
-                .setup_dest_qp_num(rqpn)
-                .setup_rq_psn(rpsn & 0xFF_FFFF)
-                .setup_address_vector(&ah);
-            if self.rc {
-                a.setup_max_dest_read_atomic(0).setup_min_rnr_timer(12);
-            }
-            vtry!(q.qp.modify(&a), format!("QP {:#x} INIT->RTR", q.stats.qpn))?;
-            let mut a = QueuePairAttribute::new();
-            a.setup_state(QueuePairState::ReadyToSend).setup_sq_psn(q.psn);
-            if self.rc {
-                a.setup_timeout(RC_TIMEOUT).setup_retry_cnt(RC_RETRY).setup_rnr_retry(7).setup_max_read_atomic(0);
-            }
-            vtry!(q.qp.modify(&a), format!("QP {:#x} RTR->RTS", q.stats.qpn))?;
-            tracing::debug!(
-                dev = %self.dev.name, qpn = q.stats.qpn, rqpn, flow_label = q.stats.flow_label,
-                udp_sport = q.stats.udp_sport, "QP connected; expected RoCEv2 source port {:#x}", q.stats.udp_sport
-            );
+        self.peer_gid = peer.gid;
+        for (q, &(rqpn, rpsn)) in peer.qps.iter().enumerate() {
+            self.connect_qp(q, rqpn, rpsn)?;
         }
         self.connected = true;
+        Ok(())
+    }
+
+    /// Move QP `q` (in INIT) to RTR and RTS towards the peer's QP `rqpn` whose first PSN is `rpsn`.
+    fn connect_qp(&mut self, q: usize, rqpn: u32, rpsn: u32) -> Result<(), VerbsError> {
+        let gid = Gid { raw: self.peer_gid };
+        let qp = &mut self.qps[q];
+        let mut ah = AddressHandleAttribute::new();
+        ah.setup_dest_lid(0).setup_port(1).setup_service_level(0).setup_grh(&gid, qp.stats.flow_label, self.dev.gid_index, 64, 0);
+        let mut a = QueuePairAttribute::new();
+        a.setup_state(QueuePairState::ReadyToReceive)
+            .setup_path_mtu(self.dev.mtu)
+            .setup_dest_qp_num(rqpn)
+            .setup_rq_psn(rpsn & 0xFF_FFFF)
+            .setup_address_vector(&ah);
+        if self.rc {
+            a.setup_max_dest_read_atomic(0).setup_min_rnr_timer(12);
+        }
+        vtry!(qp.qp.modify(&a), format!("QP {:#x} INIT->RTR", qp.stats.qpn))?;
+        let mut a = QueuePairAttribute::new();
+        a.setup_state(QueuePairState::ReadyToSend).setup_sq_psn(qp.psn);
+        if self.rc {
+            a.setup_timeout(RC_TIMEOUT).setup_retry_cnt(RC_RETRY).setup_rnr_retry(7).setup_max_read_atomic(0);
+        }
+        vtry!(qp.qp.modify(&a), format!("QP {:#x} RTR->RTS", qp.stats.qpn))?;
+        tracing::debug!(
+            dev = %self.dev.name, qpn = qp.stats.qpn, rqpn, flow_label = qp.stats.flow_label,
+            udp_sport = qp.stats.udp_sport, "QP connected; expected RoCEv2 source port {:#x}", qp.stats.udp_sport
+        );
+        Ok(())
+    }
+
+    /// Is the rail's port active (the link is up)?
+    pub fn port_active(&self) -> bool {
+        self.dev.ctx.query_port(1).is_ok_and(|p| p.port_state() == PortState::Active)
+    }
+
+    /// Reset dead QP `q` for re-creation: RESET (drops every outstanding WR; their completions
+    /// still in the CQs are ignored by generation), INIT, receives posted again, a new first PSN.
+    /// The QP stays dead until [`Self::reconnect_qp`]. Returns its (QPN, PSN) for the peer and the
+    /// PSNs of the WRITEs that were still queued (the NIC is done with them).
+    pub fn reset_qp(&mut self, q: usize) -> Result<(u32, u32, Vec<u64>), VerbsError> {
+        let qp = self.qps.get_mut(q).ok_or_else(|| VerbsError::Call { what: "reset QP".into(), detail: format!("no QP {q}") })?;
+        qp.stats.dead = true;
+        let mut a = QueuePairAttribute::new();
+        a.setup_state(QueuePairState::Reset);
+        vtry!(qp.qp.modify(&a), format!("QP {:#x} ->RESET", qp.stats.qpn))?;
+        qp.gen = qp.gen.wrapping_add(1);
+        qp.wrs_in_flight = 0;
+        qp.slots_in_flight = 0;
+        qp.pending = None;
+        let drained: Vec<u64> = qp.write_psns.drain(..).collect();
+        let mut a = QueuePairAttribute::new();
+        a.setup_state(QueuePairState::Init)
+            .setup_pkey_index(0)
+            .setup_port(1)
+            .setup_access_flags(AccessFlags::LocalWrite | AccessFlags::RemoteWrite);
+        vtry!(qp.qp.modify(&a), format!("QP {:#x} RESET->INIT", qp.stats.qpn))?;
+        qp.psn = rand::random::<u32>() & 0xFF_FFFF;
+        let (qpn, psn) = (qp.qp.qp_number(), qp.psn);
+        for s in 0..RECV_DEPTH {
+            self.post_recv(q, q * RECV_DEPTH + s)?;
+        }
+        Ok((qpn, psn, drained))
+    }
+
+    /// Connect QP `q` (after [`Self::reset_qp`]) to the peer's re-created QP; it is live again.
+    pub fn reconnect_qp(&mut self, q: usize, rqpn: u32, rpsn: u32) -> Result<(), VerbsError> {
+        if q >= self.qps.len() || !self.connected {
+            return Err(VerbsError::Call { what: "reconnect QP".into(), detail: format!("no connected QP {q}") });
+        }
+        self.connect_qp(q, rqpn, rpsn)?;
+        let qp = &mut self.qps[q];
+        qp.stats.dead = false;
+        qp.stats.recreated += 1;
         Ok(())
     }
 
     fn post_recv(&mut self, q: usize, slot: usize) -> Result<(), VerbsError> {
         let addr = self.recv_ring.addr(slot);
         let lkey = self.recv_ring.mr.lkey();
+        let gen = self.qps[q].gen;
         let qp = &mut self.qps[q].qp;
         let mut g = qp.start_post_recv();
-        let h = g.construct_wr(wr_id(q, KIND_SLOT, slot));
+        let h = g.construct_wr(wr_id(q, gen, KIND_SLOT, slot));
         // SAFETY: the slot lies inside the registered receive ring, which outlives the QP; each slot
         // is posted at most once at a time (reposted only after its completion was consumed).
         unsafe { h.setup_sge(lkey, addr, SLOT_BYTES as u32) };
@@ -676,7 +740,7 @@ impl QpSet {
         let lkey = self.send_ring.mr.lkey();
         let qp = &mut self.qps[q];
         let mut g = qp.qp.start_post_send();
-        let h = g.construct_wr(wr_id(q, KIND_SLOT, slot), WorkRequestFlags::Signaled).setup_send();
+        let h = g.construct_wr(wr_id(q, qp.gen, KIND_SLOT, slot), WorkRequestFlags::Signaled).setup_send();
         // SAFETY: the slot is inside the registered send ring, which outlives the QP; it is not
         // reused before this WR's completion (slots_in_flight < SEND_SLOTS, completions are FIFO).
         unsafe { h.setup_sge(lkey, addr, bytes.len() as u32) };
@@ -704,12 +768,12 @@ impl QpSet {
         let ring_lkey = self.send_ring.mr.lkey();
         let qp = &mut self.qps[q];
         let mut g = qp.qp.start_post_send();
-        let w = g.construct_wr(wr_id(q, KIND_WRITE, 0), WorkRequestFlags::Signaled).setup_write_imm(rkey, remote, imm_of(psn).to_be());
+        let w = g.construct_wr(wr_id(q, qp.gen, KIND_WRITE, 0), WorkRequestFlags::Signaled).setup_write_imm(rkey, remote, imm_of(psn).to_be());
         // SAFETY: `local..local + len` lies in memory registered with `lkey` that the caller keeps
         // registered and unchanged until the send completes (the engine holds the registration for
         // the message's lifetime).
         unsafe { w.setup_sge(lkey, local, len) };
-        let h = g.construct_wr(wr_id(q, KIND_SLOT, slot), WorkRequestFlags::Signaled).setup_send();
+        let h = g.construct_wr(wr_id(q, qp.gen, KIND_SLOT, slot), WorkRequestFlags::Signaled).setup_send();
         // SAFETY: as in post_send.
         unsafe { h.setup_sge(ring_lkey, haddr, header.len() as u32) };
         if let Err(e) = g.post() {
@@ -734,8 +798,12 @@ impl QpSet {
             let mut n = 0;
             for wc in poller {
                 n += 1;
-                let (q, kind, _) = wr_parts(wc.wr_id());
+                let (q, gen, kind, _) = wr_parts(wc.wr_id());
                 let Some(qp) = self.qps.get_mut(q) else { continue };
+                if gen != qp.gen {
+                    // Posted before a reset: already accounted for by reset_qp.
+                    continue;
+                }
                 qp.wrs_in_flight = qp.wrs_in_flight.saturating_sub(1);
                 if kind == KIND_SLOT {
                     qp.slots_in_flight = qp.slots_in_flight.saturating_sub(1);
@@ -766,8 +834,9 @@ impl QpSet {
                 return;
             }
             for (id, status, opcode, len, imm) in wcs {
-                let (q, _, slot) = wr_parts(id);
-                if q >= self.qps.len() || slot >= RECV_DEPTH * self.qps.len() {
+                let (q, gen, _, slot) = wr_parts(id);
+                if q >= self.qps.len() || slot >= RECV_DEPTH * self.qps.len() || gen != self.qps[q].gen {
+                    // A receive posted before a reset (flushed): its slot was posted again then.
                     continue;
                 }
                 if status != WorkCompletionStatus::Success as u32 {
@@ -971,7 +1040,9 @@ mod tests {
 
     #[test]
     fn wr_ids_carry_qp_kind_and_slot() {
-        assert_eq!(wr_parts(wr_id(15, KIND_SLOT, 4095)), (15, KIND_SLOT, 4095));
-        assert_eq!(wr_parts(wr_id(0, KIND_WRITE, 0)), (0, KIND_WRITE, 0));
+        assert_eq!(wr_parts(wr_id(15, 0, KIND_SLOT, 4095)), (15, 0, KIND_SLOT, 4095));
+        assert_eq!(wr_parts(wr_id(0, 0, KIND_WRITE, 0)), (0, 0, KIND_WRITE, 0));
+        assert_eq!(wr_parts(wr_id(1023, 0xffff, KIND_SLOT, RECV_DEPTH * 1024 - 1)), (1023, 0xffff, KIND_SLOT, RECV_DEPTH * 1024 - 1));
+        assert_eq!(wr_parts(wr_id(7, 3, KIND_WRITE, 0)).1, 3, "the generation survives");
     }
 }

@@ -108,6 +108,7 @@ mod net;
 mod planned;
 mod progress;
 mod rail;
+mod revive;
 mod vcomm;
 
 pub use comm::{RecvComm, SendComm};

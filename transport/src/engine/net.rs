@@ -125,12 +125,12 @@ impl NetInner {
     }
 
     /// A new connection's QPs (verbs backend), or None on UDP.
-    fn verbs_comm(&self, token: u64) -> Result<Option<VerbsComm>, TransportError> {
+    fn verbs_comm(&self, token: u64, connector: bool) -> Result<Option<VerbsComm>, TransportError> {
         if !self.is_verbs() {
             return Ok(None);
         }
         let devs: Vec<Arc<VerbsDevice>> = self.rails.iter().filter_map(|r| r.verbs.clone()).collect();
-        VerbsComm::create(&devs, self.cfg.paths, self.cfg.qp == QpType::Rc, token, self.proto.max_payload).map(Some)
+        VerbsComm::create(&devs, self.cfg.paths, self.cfg.qp == QpType::Rc, token, self.proto.max_payload, connector).map(Some)
     }
 
     /// Our half of a handshake message: rails, token, host id, and the verbs block if any.
@@ -454,7 +454,7 @@ impl Net {
             let rail = self.rail(dev)?;
             let token = new_token();
             let nonce = u64::from_be_bytes(handle[12..20].try_into().expect("8 bytes"));
-            let verbs = self.inner.verbs_comm(token)?;
+            let verbs = self.inner.verbs_comm(token, true)?;
             let out = self.inner.hello(0, nonce, token, verbs.as_ref());
             let sock = start_tcp_connect(target, rail.addr)?;
             let key = self.next_stage.fetch_add(1, Ordering::Relaxed);
@@ -732,7 +732,7 @@ impl Listener {
                 }
             };
             let token = new_token();
-            let mut verbs = self.inner.verbs_comm(token)?;
+            let mut verbs = self.inner.verbs_comm(token, false)?;
             self.inner.join(&h, &p.inp[HELLO_LEN..], &mut verbs)?;
             let reply = self.inner.hello(0, self.nonce, token, verbs.as_ref());
             // Registered before the reply leaves, so the sender's first datagram finds its comm.

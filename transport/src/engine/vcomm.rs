@@ -10,6 +10,7 @@
 use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 use std::sync::Arc;
 
+use super::revive::{self, Action, Parsed, QpCtl, Revive};
 use super::TransportError;
 use crate::backend::verbs::{MrKeys, PostFail, QpSet, QpStats, RailPeer, RxEvent, VerbsDevice, SLOT_BYTES};
 use crate::proto::{Connection, MsgId, PayloadSource, Placer};
@@ -105,6 +106,17 @@ pub(crate) struct VerbsCounters {
     pub fence_give_ups: u64,
     /// Receives whose completion waited for a FENCE.
     pub receives_held: u64,
+    /// Dead QPs re-created (reset and connected again to the peer's re-created QP), either side
+    /// starting it.
+    pub qp_recreated: u64,
+    /// Re-creation attempts that failed (a verbs call failed, or the peer did not answer in 2 s).
+    pub qp_recreate_failed: u64,
+    /// QP control packets (REQ/ACK) sent and received.
+    pub qp_ctl_sent: u64,
+    /// QP control packets received.
+    pub qp_ctl_received: u64,
+    /// QP control packets dropped: malformed, naming no QP, or stale (an ACK nobody waits for).
+    pub qp_ctl_dropped: u64,
 }
 
 /// Registered ranges of one buffer: (addr, len) and its keys per rail.
@@ -143,6 +155,13 @@ pub(crate) struct VerbsComm {
     /// Receiver: FENCEs received, and the receives waiting for theirs.
     fences_got: HashSet<(u64, u8)>,
     held: Vec<Held>,
+    /// Re-creation state per QP, indexed rail * paths + q; our control packets waiting for a live QP.
+    revive: Vec<Revive>,
+    ctl_out: VecDeque<[u8; revive::QPCTL_LEN]>,
+    /// This end connected (its REQs win when both ends ask at once).
+    connector: bool,
+    /// Per rail: QPs are being re-created (for one info log per rail event).
+    rail_reviving: Vec<bool>,
     pub counters: VerbsCounters,
 }
 
@@ -186,7 +205,8 @@ pub(crate) fn decode_peers(b: &[u8]) -> Result<Vec<RailPeer>, TransportError> {
 
 impl VerbsComm {
     /// QPs on every rail for connection `token` (INIT, receives posted).
-    pub fn create(devs: &[Arc<VerbsDevice>], paths: u16, rc: bool, token: u64, max_payload: usize) -> Result<Self, TransportError> {
+    /// `connector`: this end connected (rather than accepted).
+    pub fn create(devs: &[Arc<VerbsDevice>], paths: u16, rc: bool, token: u64, max_payload: usize, connector: bool) -> Result<Self, TransportError> {
         let base = crate::backend::verbs::flow_label_base(token, paths);
         let rails = devs
             .iter()
@@ -213,6 +233,10 @@ impl VerbsComm {
             release_later: HashMap::new(),
             fences_got: HashSet::new(),
             held: Vec::new(),
+            revive: (0..devs.len()).flat_map(|r| (0..paths.max(1)).map(move |q| Revive::new(r as u8, q))).collect(),
+            ctl_out: VecDeque::new(),
+            connector,
+            rail_reviving: vec![false; devs.len()],
             counters: VerbsCounters::default(),
         })
     }
@@ -302,6 +326,8 @@ impl VerbsComm {
     pub fn poll(&mut self, conn: &mut Connection, now: u64) {
         let mut done_psns = Vec::new();
         let mut fences = Vec::new();
+        let mut ctls = Vec::new();
+        let paths = self.paths as usize;
         let Self { rails, remote, counters, .. } = self;
         let nrails = rails.len();
         for set in rails.iter_mut() {
@@ -313,6 +339,18 @@ impl VerbsComm {
                     if let Some(f) = parse_fence(b) {
                         fences.push(f);
                         return;
+                    }
+                    match revive::parse(b, nrails, paths) {
+                        Parsed::Other => {}
+                        Parsed::Bad => {
+                            counters.qp_ctl_dropped += 1;
+                            return;
+                        }
+                        Parsed::Ctl(c) => {
+                            counters.qp_ctl_received += 1;
+                            ctls.push(c);
+                            return;
+                        }
                     }
                     if let Some(c) = keyed_cts(b) {
                         if c.keys.is_some_and(|k| k.rails as usize == nrails) {
@@ -337,6 +375,133 @@ impl VerbsComm {
             } else if self.fenced.contains(&(cts_seq, sub)) {
                 self.fence_out.push_back(fence_packet(FENCE, cts_seq, sub));
             }
+        }
+        for c in ctls {
+            self.on_ctl(&c, now);
+        }
+        self.revive_tick(now);
+    }
+
+    /// Step every QP's re-creation (see `revive`): dead QPs whose port is up are reset and asked
+    /// for; unanswered REQs are resent; attempts time out.
+    fn revive_tick(&mut self, now: u64) {
+        let paths = self.paths as usize;
+        for r in 0..self.rails.len() {
+            let mut port: Option<bool> = None;
+            let mut any_dead = false;
+            for q in 0..paths {
+                let dead = self.rails[r].is_dead(q);
+                any_dead |= dead;
+                let set = &self.rails[r];
+                let active = || *port.get_or_insert_with(|| set.port_active());
+                let act = self.revive[r * paths + q].tick(now, dead, active);
+                match act {
+                    Action::Reset => self.start_recreate(r, q, now),
+                    Action::Send(c) => self.ctl_out.push_back(c.encode()),
+                    _ => {}
+                }
+            }
+            if any_dead != self.rail_reviving[r] {
+                self.rail_reviving[r] = any_dead;
+                let dev = &self.rails[r].device().name;
+                if any_dead {
+                    let n = (0..paths).filter(|&q| self.rails[r].is_dead(q)).count();
+                    tracing::info!(rail = r, %dev, "{n} of {paths} QPs dead: re-creating them in the background once the port is active");
+                } else {
+                    tracing::info!(rail = r, %dev, "all {paths} QPs live again (re-created so far on this comm: {})", self.counters.qp_recreated);
+                }
+            }
+        }
+        self.flush_ctl();
+    }
+
+    fn start_recreate(&mut self, r: usize, q: usize, now: u64) {
+        let i = r * self.paths as usize + q;
+        match self.rails[r].reset_qp(q) {
+            Ok((qpn, psn, drained)) => {
+                for p in drained {
+                    self.write_done(p);
+                }
+                let req = self.revive[i].asking(now, qpn, psn);
+                self.ctl_out.push_back(req.encode());
+            }
+            Err(e) => {
+                tracing::debug!(rail = r, q, "QP reset failed: {e}");
+                self.counters.qp_recreate_failed += 1;
+                self.revive[i].failed(now);
+            }
+        }
+    }
+
+    /// A REQ or ACK from the peer.
+    fn on_ctl(&mut self, c: &QpCtl, now: u64) {
+        let (r, q) = (c.rail as usize, c.q as usize);
+        let i = r * self.paths as usize + q;
+        let (act, stale) = self.revive[i].on_ctl(c, self.connector);
+        if stale {
+            self.counters.qp_ctl_dropped += 1;
+        }
+        match act {
+            Action::Send(a) => self.ctl_out.push_back(a.encode()),
+            Action::ResetAndConnect { qpn, psn } => {
+                let res = self.rails[r].reset_qp(q).and_then(|(lqpn, lpsn, drained)| {
+                    for p in drained {
+                        self.write_done(p);
+                    }
+                    self.rails[r].reconnect_qp(q, qpn, psn).map(|()| (lqpn, lpsn))
+                });
+                match res {
+                    Ok((lqpn, lpsn)) => {
+                        self.counters.qp_recreated += 1;
+                        let ack = self.revive[i].answered(c, lqpn, lpsn);
+                        self.ctl_out.push_back(ack.encode());
+                    }
+                    Err(e) => {
+                        tracing::debug!(rail = r, q, "QP re-creation for the peer failed: {e}");
+                        self.counters.qp_recreate_failed += 1;
+                        self.revive[i].failed(now);
+                    }
+                }
+            }
+            Action::Connect { qpn, psn } => match self.rails[r].reconnect_qp(q, qpn, psn) {
+                Ok(()) => {
+                    self.counters.qp_recreated += 1;
+                    self.revive[i].connected();
+                }
+                Err(e) => {
+                    tracing::debug!(rail = r, q, "connecting the re-created QP failed: {e}");
+                    self.counters.qp_recreate_failed += 1;
+                    self.revive[i].failed(now);
+                }
+            },
+            Action::Reset | Action::Nothing => {}
+        }
+    }
+
+    /// Send queued QP control packets on live QPs (rotating; a lost one is resent by its timer).
+    fn flush_ctl(&mut self) {
+        let total = self.rails.len() * self.paths as usize;
+        while let Some(c) = self.ctl_out.front().copied() {
+            let mut posted = false;
+            for _ in 0..total {
+                let k = self.fence_rr % total;
+                self.fence_rr = self.fence_rr.wrapping_add(1);
+                let (r, q) = (k / self.paths as usize, k % self.paths as usize);
+                if self.rails[r].is_dead(q) {
+                    continue;
+                }
+                if self.rails[r].post_send(q, &c).is_ok() {
+                    posted = true;
+                    break;
+                }
+            }
+            if !posted {
+                // No live QP: the REQ timers try again.
+                self.ctl_out.clear();
+                return;
+            }
+            self.counters.qp_ctl_sent += 1;
+            self.ctl_out.pop_front();
         }
     }
 
