@@ -478,23 +478,24 @@ impl VerbsComm {
         }
     }
 
+    /// Post `bytes` as a SEND on the next live QP, rotating over rails and QPs; false if none took it.
+    fn post_on_live_qp(&mut self, bytes: &[u8]) -> bool {
+        let total = self.rails.len() * self.paths as usize;
+        for _ in 0..total {
+            let k = self.fence_rr % total;
+            self.fence_rr = self.fence_rr.wrapping_add(1);
+            let (r, q) = (k / self.paths as usize, k % self.paths as usize);
+            if !self.rails[r].is_dead(q) && self.rails[r].post_send(q, bytes).is_ok() {
+                return true;
+            }
+        }
+        false
+    }
+
     /// Send queued QP control packets on live QPs (rotating; a lost one is resent by its timer).
     fn flush_ctl(&mut self) {
-        let total = self.rails.len() * self.paths as usize;
         while let Some(c) = self.ctl_out.front().copied() {
-            let mut posted = false;
-            for _ in 0..total {
-                let k = self.fence_rr % total;
-                self.fence_rr = self.fence_rr.wrapping_add(1);
-                let (r, q) = (k / self.paths as usize, k % self.paths as usize);
-                if self.rails[r].is_dead(q) {
-                    continue;
-                }
-                if self.rails[r].post_send(q, &c).is_ok() {
-                    posted = true;
-                    break;
-                }
-            }
+            let posted = self.post_on_live_qp(&c);
             if !posted {
                 // No live QP: the REQ timers try again.
                 self.ctl_out.clear();
@@ -601,21 +602,8 @@ impl VerbsComm {
 
     /// Send queued FENCE packets on a live QP (rotating over rails and QPs).
     fn flush_fences(&mut self) {
-        let total = self.rails.len() * self.paths as usize;
         while let Some(f) = self.fence_out.front().copied() {
-            let mut posted = false;
-            for _ in 0..total {
-                let k = self.fence_rr % total;
-                self.fence_rr = self.fence_rr.wrapping_add(1);
-                let (r, q) = (k / self.paths as usize, k % self.paths as usize);
-                if self.rails[r].is_dead(q) {
-                    continue;
-                }
-                if self.rails[r].post_send(q, &f).is_ok() {
-                    posted = true;
-                    break;
-                }
-            }
+            let posted = self.post_on_live_qp(&f);
             if !posted {
                 return;
             }
