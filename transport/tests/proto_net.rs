@@ -510,6 +510,34 @@ fn reorder_threshold_grows_when_reordering_exceeds_it() {
     });
 }
 
+#[test]
+fn a_fresh_path_borrows_the_connections_rto_when_the_rtt_exceeds_the_initial_one() {
+    // 20 ms each way, so the RTT (40 ms) is 4 x the initial RTO (10 ms), as on a shaped fabric with
+    // deep queues. 128 paths and a window of 16: the mix puts only a few packets on each path, most
+    // of them the path's first. Only what leaves before the first RTT sample (40 ms) can time out: the
+    // window sent at 0 (timer 10 ms), resent at 10 (20 ms: the connection's RTO backs off once per
+    // round) and at 30 (40 ms, racing its SACK). Every packet sent later on a path never measured
+    // waits the connection's measured RTO, not 10 ms (without that: over 200 timeouts).
+    seeded(24, |seed| {
+        let cfg = ProtoConfig { n_paths: 128, window_pkts: 16, ..ProtoConfig::default() };
+        let l = Link { delay_us: 20_000, ..Link::default() };
+        let mut sim = Sim::new(seed, &cfg, [l.clone(), l]);
+        let posted = post(&mut sim, &mix());
+        sim.run_until(600_000_000, |s| all_done(s, &posted));
+        verify(&sim, &posted);
+        let st = sim.stats(A);
+        let fresh_paths = st.paths.iter().filter(|p| p.pkts_sent > 0).count();
+        assert!(fresh_paths > 100, "the mix must reach most of the 128 paths: {fresh_paths}");
+        assert!(
+            st.retransmissions <= 3 * u64::from(cfg.window_pkts) && st.timeouts <= 3 * u64::from(cfg.window_pkts),
+            "{} retransmissions, {} timeouts on a lossless network ({fresh_paths} paths used)",
+            st.retransmissions,
+            st.timeouts
+        );
+        assert_eq!(sim.stats(B).dropped.total(), 0);
+    });
+}
+
 /// Time to move the mix over a clean network with the same seed.
 fn clean_transfer_time(seed: u64) -> Micros {
     let sim = transfer_mix(seed, 0.0);

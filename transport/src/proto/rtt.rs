@@ -41,13 +41,25 @@ impl RttEstimator {
 
     /// The current retransmission timeout, backoff included, within `[rto_min, rto_max]`.
     pub(crate) fn rto_us(&self) -> u64 {
+        self.base_rto_us().saturating_mul(1 << self.backoff).min(self.rto_max_us)
+    }
+
+    /// The retransmission timeout without backoff, within `[rto_min, rto_max]`.
+    pub(crate) fn base_rto_us(&self) -> u64 {
         let base = match self.srtt_us {
             // The clock granularity G of RFC 6298 is 1 µs here.
             Some(srtt) => srtt + (4 * self.rttvar_us).max(1),
             None => self.rto_initial_us,
         };
-        let base = base.clamp(self.rto_min_us, self.rto_max_us);
-        base.saturating_mul(1 << self.backoff).min(self.rto_max_us)
+        base.clamp(self.rto_min_us, self.rto_max_us)
+    }
+
+    /// Until its first sample, use `rto_us` (clamped) instead of the configured initial RTO: a path
+    /// nothing was measured on yet borrows what its connection measured on the others.
+    pub(crate) fn inherit_initial(&mut self, rto_us: u64) {
+        if self.srtt_us.is_none() {
+            self.rto_initial_us = rto_us.clamp(self.rto_min_us, self.rto_max_us);
+        }
     }
 
     /// Smoothed RTT, if any sample was taken.
@@ -89,6 +101,20 @@ mod tests {
         assert_eq!(r.rto_us(), 2_000);
         r.sample(1_000_000);
         assert_eq!(r.rto_us(), 50_000);
+    }
+
+    #[test]
+    fn an_unsampled_estimator_takes_an_inherited_initial_rto_until_its_first_sample() {
+        let mut r = RttEstimator::new(2_000, 200_000, 10_000);
+        r.inherit_initial(45_000);
+        assert_eq!(r.rto_us(), 45_000);
+        r.on_timeout();
+        assert_eq!(r.rto_us(), 90_000, "backoff applies to the inherited value");
+        r.inherit_initial(1_000_000);
+        assert_eq!(r.base_rto_us(), 200_000, "clamped to rto_max");
+        r.sample(1_000);
+        r.inherit_initial(45_000);
+        assert_eq!(r.rto_us(), 3_000, "a sampled estimator keeps its own RTO");
     }
 
     #[test]

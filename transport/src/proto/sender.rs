@@ -139,6 +139,9 @@ pub(crate) struct TxState {
     pub(crate) episode_since: Option<Micros>,
     /// Send time of the packet whose loss was last held against its path.
     blamed_sent_at: Option<Micros>,
+    /// While no RTT is known: when the connection's RTO was last backed off (a timeout of a packet
+    /// sent before that is part of the same round and does not back it off again).
+    unsampled_backoff_at: Option<Micros>,
 }
 
 impl TxState {
@@ -174,6 +177,7 @@ impl TxState {
             dead_paths: 0,
             episode_since: None,
             blamed_sent_at: None,
+            unsampled_backoff_at: None,
         }
     }
 
@@ -631,6 +635,12 @@ impl Connection {
         });
         let blame = sent_at >= self.tx.exempt_before && (self.tx.acked_sent_at > sent_at || !others_stuck);
         self.rto_deadlines.touch(entropy);
+        if self.ctl_rtt.srtt_us().is_none() && self.tx.unsampled_backoff_at.is_none_or(|t| sent_at >= t) {
+            // No RTT measured yet and a packet timed out: the initial RTO is too short for this
+            // network, so back off what paths not yet measured inherit, once per round (RFC 6298 5.5).
+            self.ctl_rtt.on_timeout();
+            self.tx.unsampled_backoff_at = Some(now);
+        }
         let path = &mut self.paths[entropy as usize];
         path.rtt.on_timeout();
         if !blame {
@@ -773,6 +783,12 @@ impl Connection {
         if old.len > 0 {
             src.read(old.msg, old.offset, &mut pkt.payload_mut()[..old.len as usize]);
         }
+        // A path nothing was measured on yet times out after the connection's RTO, not the configured
+        // initial one: with queues deeper than that initial value, every first packet on a fresh
+        // entropy (a spraying or exploring policy uses many) would time out spuriously, be resent,
+        // and blame a path that works.
+        let conn_rto = self.ctl_rtt.rto_us();
+        self.paths[entropy as usize].rtt.inherit_initial(conn_rto);
         self.paths[entropy as usize].queue.push_back(TxEntry { tx_seq, psn, sent_at: now });
         self.rto_deadlines.touch(entropy);
         self.paths[entropy as usize].in_flight += 1;
