@@ -635,7 +635,7 @@ impl Connection {
         });
         let blame = sent_at >= self.tx.exempt_before && (self.tx.acked_sent_at > sent_at || !others_stuck);
         self.rto_deadlines.touch(entropy);
-        if self.ctl_rtt.srtt_us().is_none() && self.tx.unsampled_backoff_at.is_none_or(|t| sent_at >= t) {
+        if self.ctl_rtt.srtt_us().is_none() && !matches!(self.tx.unsampled_backoff_at, Some(t) if sent_at < t) {
             // No RTT measured yet and a packet timed out: the initial RTO is too short for this
             // network, so back off what paths not yet measured inherit, once per round (RFC 6298 5.5).
             self.ctl_rtt.on_timeout();
