@@ -12,7 +12,7 @@ use std::sync::Arc;
 
 use super::revive::{self, Action, Parsed, QpCtl, Revive};
 use super::TransportError;
-use crate::backend::verbs::{MrKeys, PostFail, QpSet, QpStats, RailPeer, RxEvent, VerbsDevice, SLOT_BYTES};
+use crate::backend::verbs::{MrKeys, PostFail, QpSet, QpStats, RailPeer, RxEvent, VerbsDevice, VerbsError, SLOT_BYTES};
 use crate::proto::{Connection, MsgId, PayloadSource, Placer};
 use crate::wire::{CtsKeys, CtsPacket, CtsRepr, DataPacket, DataRepr, Header, PacketType, CTS_MAX_KEY_RAILS, DATA_HEADER_LEN};
 
@@ -415,13 +415,20 @@ impl VerbsComm {
         self.flush_ctl();
     }
 
+    /// Reset QP `q` of rail `r` to a fresh one (its QPN and PSN returned); the WRITEs it still had
+    /// outstanding are finished as the reset drained them.
+    fn reset_qp(&mut self, r: usize, q: usize) -> Result<(u32, u32), VerbsError> {
+        let (qpn, psn, drained) = self.rails[r].reset_qp(q)?;
+        for p in drained {
+            self.write_done(p);
+        }
+        Ok((qpn, psn))
+    }
+
     fn start_recreate(&mut self, r: usize, q: usize, now: u64) {
         let i = r * self.paths as usize + q;
-        match self.rails[r].reset_qp(q) {
-            Ok((qpn, psn, drained)) => {
-                for p in drained {
-                    self.write_done(p);
-                }
+        match self.reset_qp(r, q) {
+            Ok((qpn, psn)) => {
                 let req = self.revive[i].asking(now, qpn, psn);
                 self.ctl_out.push_back(req.encode());
             }
@@ -444,12 +451,7 @@ impl VerbsComm {
         match act {
             Action::Send(a) => self.ctl_out.push_back(a.encode()),
             Action::ResetAndConnect { qpn, psn } => {
-                let res = self.rails[r].reset_qp(q).and_then(|(lqpn, lpsn, drained)| {
-                    for p in drained {
-                        self.write_done(p);
-                    }
-                    self.rails[r].reconnect_qp(q, qpn, psn).map(|()| (lqpn, lpsn))
-                });
+                let res = self.reset_qp(r, q).and_then(|(lqpn, lpsn)| self.rails[r].reconnect_qp(q, qpn, psn).map(|()| (lqpn, lpsn)));
                 match res {
                     Ok((lqpn, lpsn)) => {
                         self.counters.qp_recreated += 1;

@@ -45,7 +45,7 @@ impl RttEstimator {
     }
 
     /// The retransmission timeout without backoff, within `[rto_min, rto_max]`.
-    pub(crate) fn base_rto_us(&self) -> u64 {
+    fn base_rto_us(&self) -> u64 {
         let base = match self.srtt_us {
             // The clock granularity G of RFC 6298 is 1 µs here.
             Some(srtt) => srtt + (4 * self.rttvar_us).max(1),
@@ -54,11 +54,11 @@ impl RttEstimator {
         base.clamp(self.rto_min_us, self.rto_max_us)
     }
 
-    /// Until its first sample, use `rto_us` (clamped) instead of the configured initial RTO: a path
-    /// nothing was measured on yet borrows what its connection measured on the others.
-    pub(crate) fn inherit_initial(&mut self, rto_us: u64) {
+    /// Until its first sample, use `from`'s current RTO (clamped) instead of the configured initial
+    /// one: a path nothing was measured on yet borrows what its connection measured on the others.
+    pub(crate) fn inherit_initial(&mut self, from: &RttEstimator) {
         if self.srtt_us.is_none() {
-            self.rto_initial_us = rto_us.clamp(self.rto_min_us, self.rto_max_us);
+            self.rto_initial_us = from.rto_us().clamp(self.rto_min_us, self.rto_max_us);
         }
     }
 
@@ -105,15 +105,16 @@ mod tests {
 
     #[test]
     fn an_unsampled_estimator_takes_an_inherited_initial_rto_until_its_first_sample() {
+        let rto_of = |us: u64| RttEstimator::new(1, 10_000_000, us);
         let mut r = RttEstimator::new(2_000, 200_000, 10_000);
-        r.inherit_initial(45_000);
+        r.inherit_initial(&rto_of(45_000));
         assert_eq!(r.rto_us(), 45_000);
         r.on_timeout();
         assert_eq!(r.rto_us(), 90_000, "backoff applies to the inherited value");
-        r.inherit_initial(1_000_000);
+        r.inherit_initial(&rto_of(1_000_000));
         assert_eq!(r.base_rto_us(), 200_000, "clamped to rto_max");
         r.sample(1_000);
-        r.inherit_initial(45_000);
+        r.inherit_initial(&rto_of(45_000));
         assert_eq!(r.rto_us(), 3_000, "a sampled estimator keeps its own RTO");
     }
 

@@ -787,8 +787,7 @@ impl Connection {
         // initial one: with queues deeper than that initial value, every first packet on a fresh
         // entropy (a spraying or exploring policy uses many) would time out spuriously, be resent,
         // and blame a path that works.
-        let conn_rto = self.ctl_rtt.rto_us();
-        self.paths[entropy as usize].rtt.inherit_initial(conn_rto);
+        self.paths[entropy as usize].rtt.inherit_initial(&self.ctl_rtt);
         self.paths[entropy as usize].queue.push_back(TxEntry { tx_seq, psn, sent_at: now });
         self.rto_deadlines.touch(entropy);
         self.paths[entropy as usize].in_flight += 1;
