@@ -7,9 +7,10 @@
 //!
 //! Rules (README, "Device properties"):
 //! - PCI path: the real path of `class/net/<if>/device` (UDP) or `class/infiniband/<dev>/device`
-//!   (verbs), cut back to the nearest PCI function (`dddd:bb:dd.f`). NCCL takes the last component of
-//!   `pciPath` as the PCI bus id, so a virtio netdev (`.../0000:00:03.0/virtio2`) is reported as its
-//!   PCI function `.../0000:00:03.0`. No PCI function (loopback, bridges, veth): NULL.
+//!   (verbs), cut back to the nearest PCI function (`dddd:bb:dd.f`). NCCL's topology (`ncclTopoFillNet`)
+//!   attaches a path whose `subsystem` is not `pci` to the first CPU, and reads the bus id from the
+//!   path's last component, so a virtio netdev (`.../0000:00:03.0/virtio2`) is reported as its PCI
+//!   function `.../0000:00:03.0`. No PCI function (loopback, bridges, veth): NULL (first CPU).
 //! - A Soft-RoCE (rxe) device has no `device` link: it is placed where its netdev is.
 //! - Speed: verbs `ports/<port>/rate` (active speed × width, e.g. "100 Gb/sec (4X EDR)"), else the
 //!   netdev's `speed`; a netdev that reports none (virtual interfaces say -1 or refuse the read) counts
