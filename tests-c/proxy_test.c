@@ -542,6 +542,7 @@ static int scenario_properties(void) {
   prism_result_t rc = net_devices(&ndev);
   CHECK(rc == PRISM_OK && ndev >= 1, "devices returned %d, ndev %d", rc, ndev);
   const char* names[64];
+  uint64_t guids[64];
   for (int dev = 0; dev < ndev && dev < 64; dev++) {
     /* 256 bytes of 0xAB: the plugin must write exactly its version's layout and nothing after it. */
     union {
@@ -560,7 +561,8 @@ static int scenario_properties(void) {
     CHECK(p->name != NULL && p->name[0] != '\0', "device %d has no name", dev);
     for (int k = 0; k < dev; k++) CHECK(strcmp(names[k], p->name) != 0, "devices %d and %d are both named %s", k, dev, p->name);
     names[dev] = p->name;
-    CHECK(p->guid == (uint64_t)dev, "device %d guid %llu", dev, (unsigned long long)p->guid);
+    guids[dev] = p->guid;
+    for (int k = 0; k < dev; k++) CHECK(guids[k] != p->guid, "devices %d and %d share guid %#llx", k, dev, (unsigned long long)p->guid);
     CHECK(p->ptrSupport == PRISM_PTR_HOST, "device %d ptrSupport %#x (want host only)", dev, p->ptrSupport);
     CHECK(p->regIsGlobal == 0 && p->forceFlush == 0 && p->port == 0, "device %d regIsGlobal %d forceFlush %d port %d", dev,
           p->regIsGlobal, p->forceFlush, p->port);

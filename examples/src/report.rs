@@ -108,8 +108,8 @@ pub fn header(h: &HeaderInfo) -> String {
         let pci = if d.pci_path.is_empty() { "-" } else { d.pci_path.as_str() };
         let _ = writeln!(
             s,
-            "#  dev {}: \"{}\" speed {} Mbps ptrSupport 0x{:x} maxRecvs {} maxComms {} maxP2pBytes {} pci {}",
-            d.dev, d.name, d.speed_mbps, d.ptr_support, d.max_recvs, d.max_comms, d.max_p2p_bytes, pci
+            "#  dev {}: \"{}\" speed {} Mbps ptrSupport 0x{:x} maxRecvs {} maxComms {} maxP2pBytes {} pci {} guid {:#018x}",
+            d.dev, d.name, d.speed_mbps, d.ptr_support, d.max_recvs, d.max_comms, d.max_p2p_bytes, pci, d.guid
         );
     }
     let _ = writeln!(s, "# Using devices");

@@ -30,6 +30,8 @@ pub struct Device {
     pub pci_path: Option<&'static CStr>,
     /// Link speed in Mbit/s.
     pub speed_mbps: c_int,
+    /// GUID (unique per device, see `prism_transport::engine::sysfs`).
+    pub guid: u64,
 }
 
 /// The engine plus what the plugin derived from its configuration.
@@ -59,6 +61,7 @@ impl NetState {
             name: d.name.as_ptr(),
             pci_path: d.pci_path.map_or(std::ptr::null(), CStr::as_ptr),
             speed_mbps: d.speed_mbps,
+            guid: d.guid,
             max_recvs: MAX_RECVS as c_int,
         })
     }
@@ -106,6 +109,7 @@ fn build() -> Result<NetState, PluginError> {
             name: intern(&d.name),
             pci_path: d.pci_path.as_deref().map(intern),
             speed_mbps: c_int::try_from(d.speed_mbps).unwrap_or(c_int::MAX),
+            guid: d.guid,
         })
         .collect();
     if devices.is_empty() {
@@ -116,13 +120,14 @@ fn build() -> Result<NetState, PluginError> {
     for (i, d) in net.devices().iter().enumerate() {
         tracing::info!(
             target: INIT_TARGET,
-            "device {i}: {} ({} {}, {} Mbps, mtu {}, pci {})",
+            "device {i}: {} ({} {}, {} Mbps, mtu {}, pci {}, guid {:#018x})",
             d.name,
             d.ifname,
             d.addr,
             d.speed_mbps,
             d.mtu,
-            d.pci_path.as_deref().unwrap_or("none")
+            d.pci_path.as_deref().unwrap_or("none"),
+            d.guid
         );
     }
     Ok(NetState { net, devices, stats_file })

@@ -157,7 +157,7 @@ pub const MAX_COMMS: c_int = 65536;
 /// The properties of one device, independent of the ABI version.
 #[derive(Debug, Clone, Copy)]
 pub struct DeviceProps {
-    /// Device index (also its guid and rail id: one device per rail).
+    /// Device index (also its rail id: one device per rail).
     pub dev: c_int,
     /// NUL-terminated name that lives as long as the process.
     pub name: *const c_char,
@@ -165,6 +165,8 @@ pub struct DeviceProps {
     pub pci_path: *const c_char,
     /// Link speed in Mbit/s.
     pub speed_mbps: c_int,
+    /// Device GUID, unique per device.
+    pub guid: u64,
     /// Most buffers in one grouped receive.
     pub max_recvs: c_int,
 }
@@ -175,7 +177,7 @@ impl DeviceProps {
         PropertiesV9 {
             name: self.name.cast_mut(),
             pci_path: self.pci_path.cast_mut(),
-            guid: self.dev as u64,
+            guid: self.guid,
             ptr_support: PTR_HOST,
             reg_is_global: 0,
             force_flush: 0,
@@ -300,7 +302,7 @@ mod tests {
     }
 
     fn sample() -> DeviceProps {
-        DeviceProps { dev: 3, name: c"prism:eth3".as_ptr(), pci_path: std::ptr::null(), speed_mbps: 25_000, max_recvs: 8 }
+        DeviceProps { dev: 3, name: c"prism:eth3".as_ptr(), pci_path: std::ptr::null(), speed_mbps: 25_000, guid: 0x02fc_0000_0001, max_recvs: 8 }
     }
 
     #[test]
@@ -312,9 +314,10 @@ mod tests {
     }
 
     #[test]
-    fn props_announce_a_host_only_device_with_guid_equal_to_the_index() {
+    fn props_announce_a_host_only_device_with_its_guid() {
         let p = sample().to_v9();
-        assert_eq!(p.guid, 3);
+        assert_eq!(p.guid, 0x02fc_0000_0001);
+        assert_eq!((sample().to_v11().guid, sample().to_v12().guid), (p.guid, p.guid));
         assert_eq!(p.ptr_support, PTR_HOST);
         assert_eq!((p.reg_is_global, p.force_flush, p.port), (0, 0, 0));
         assert_eq!((p.net_device_type, p.net_device_version), (NET_DEVICE_HOST, NET_DEVICE_INVALID_VERSION));

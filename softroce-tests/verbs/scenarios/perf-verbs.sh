@@ -2,7 +2,8 @@
 # rxe1/vb: every packet crosses the link), then, in the same boot and on the same two devices,
 # ib_write_bw rxe0 -> rxe1 (RC, 1 QP, 64 KiB) as the reference.
 # Claims: both ranks exit 0; every size reported with #wrong = 0; both ranks' PRISM_STATS name the
-# verbs backend; the bytes crossed the veth; ib_write_bw ran and moved data.
+# verbs backend; the bytes crossed the veth; ib_write_bw ran and moved data; on verbs,
+# rank 0's getProperties of rxe0 match the guest's sysfs (name, pciPath, speed = ports/1/rate, guid = node_guid).
 # Numbers: prism-perf busbw and algbw per size (MB/s = 10^6 B/s; with 2 ranks all_reduce's busbw =
 # algbw = bytes each rank sends per second, i.e. one direction of the link), ib_write_bw MB/s (timed by
 # the bed from rxe1's packet counter, as in `perftest`), and prism/ib_write_bw ratios (largest size, and
@@ -12,6 +13,17 @@ SIZES_FLAGS=${SIZES_FLAGS:-"-b 1M -e 16M -f 4"}
 NSIZES=${NSIZES:-3}
 ITER_FLAGS=${ITER_FLAGS:-"-n 4 -w 1"}
 IB_ITERS=${IB_ITERS:-600}
+
+# pci_function_of LINK: the nearest directory at or above LINK's real path whose subsystem is the PCI bus
+# (a PCI function, what Prism reports as pciPath); empty when LINK is missing or on no PCI function.
+pci_function_of() {
+  [ -e "$1" ] || return 0
+  _pf=$(readlink -f "$1")
+  while [ -n "$_pf" ] && [ "$_pf" != / ]; do
+    if [ "$(basename "$(readlink -f "$_pf/subsystem" 2>/dev/null)")" = pci ]; then echo "$_pf"; return 0; fi
+    _pf=$(dirname "$_pf")
+  done
+}
 
 wire_setup; check wire_up $? "two rxe devices on the va/vb veth pair (va = 10.9.0.1)"
 gid=$(roce_v2_ipv4_gid_index rxe0) || gid=1
@@ -25,6 +37,28 @@ metric prism_perf_seconds "$(awk -v a="$t0" -v b="$(up)" 'BEGIN { printf "%.1f",
 [ "$RC0" -eq 0 ] && [ "$RC1" -eq 0 ]; check prism_perf_exit_0 $? "rank 0 rc=$RC0, rank 1 rc=$RC1"
 check_perf prism "$OUT/perf.rank0.json" "$NSIZES"
 check_backend prism "$OUT/perf.rank0.json.rank0.stats.json" "$OUT/perf.rank1.json.rank1.stats.json"
+if [ "$TRANSPORT" = verbs ]; then
+  # getProperties of rxe0 as rank 0 reported it, against the guest's sysfs (issue 11 item 6). rxe has no
+  # `device` link, so Prism places it on its netdev's PCI function; the veth va has none: pciPath NULL.
+  ibd=/sys/class/infiniband/rxe0
+  log "rxe0 sysfs: $(ls "$ibd" | tr '\n' ' ')"
+  metric_str rxe0_device_link "$(readlink -f "$ibd/device" 2>/dev/null || echo none)"
+  metric_str va_device_link "$(readlink -f /sys/class/net/va/device 2>/dev/null || echo none)"
+  rate=$(cat "$ibd/ports/1/rate" 2>/dev/null); ng=$(cat "$ibd/node_guid" 2>/dev/null)
+  metric_str rxe0_rate "$rate"; metric_str rxe0_node_guid "$ng"
+  want_pci=$(pci_function_of "$ibd/device"); [ -n "$want_pci" ] || want_pci=$(pci_function_of /sys/class/net/va/device)
+  want_speed=$(printf '%s' "$rate" | awk '$2 == "Gb/sec" { printf "%d", $1 * 1000 + 0.5 }')
+  want_guid=$(printf '0x%s' "$(printf '%s' "$ng" | tr -d :)")
+  got=$(grep -m1 '^#  dev 0:' "$OUT/perf.rank0.log")
+  got_pci=$(jq -r '.plugin.devices[0].pci_path' "$OUT/perf.rank0.json" 2>/dev/null)
+  got_speed=$(jq -r '.plugin.devices[0].speed_mbps' "$OUT/perf.rank0.json" 2>/dev/null)
+  got_guid=$(printf '%s' "$got" | sed -n 's/.* guid \(0x[0-9a-f]*\).*/\1/p')
+  metric_str prism_dev0 "$got"
+  printf '%s' "$got" | grep -q '"prism:rxe0"'; check props_name_is_prism_rxe0 $? "$got"
+  [ "$got_pci" = "$want_pci" ]; check props_pci_path_from_sysfs $? "pciPath '${got_pci}', sysfs '${want_pci}' (empty = NULL)"
+  [ -n "$want_speed" ] && [ "$got_speed" = "$want_speed" ]; check props_speed_is_rate $? "speed ${got_speed} Mbps, ports/1/rate '$rate'"
+  [ -n "$ng" ] && [ "$got_guid" = "$want_guid" ]; check props_guid_is_node_guid $? "guid ${got_guid}, node_guid '$ng'"
+fi
 tx=$(( $(net_stat va tx_bytes) - tx0 )); rx=$(( $(net_stat va rx_bytes) - rx0 ))
 metric prism_va_tx_bytes "$tx"; metric prism_va_rx_bytes "$rx"
 [ "$tx" -gt 10000000 ] && [ "$rx" -gt 10000000 ]; check prism_bytes_crossed_the_veth $? "va tx +$tx B, rx +$rx B"

@@ -2,7 +2,7 @@
 
 use std::net::{IpAddr, Ipv4Addr};
 
-use super::{DeviceInfo, TransportError};
+use super::{sysfs, DeviceInfo, TransportError};
 
 /// The interface of the default IPv4 route, from `/proc/net/route`.
 pub fn default_route_ifname() -> Option<String> {
@@ -33,7 +33,8 @@ fn sysfs(ifname: &str, file: &str) -> Option<String> {
     std::fs::read_to_string(format!("/sys/class/net/{ifname}/{file}")).ok().map(|s| s.trim().to_string())
 }
 
-/// Describe the rails named in `ifnames` (or the default route's interface when empty).
+/// Describe the rails named in `ifnames` (or the default route's interface when empty). Names are made
+/// unique (`prism:lo`, `prism:lo#1` for `PRISM_IFNAMES=lo,lo`), and so are GUIDs (rail index).
 pub fn discover(ifnames: &[String]) -> Result<Vec<DeviceInfo>, TransportError> {
     let names: Vec<String> = if ifnames.is_empty() {
         vec![default_route_ifname().ok_or_else(|| {
@@ -42,20 +43,31 @@ pub fn discover(ifnames: &[String]) -> Result<Vec<DeviceInfo>, TransportError> {
     } else {
         ifnames.to_vec()
     };
-    names
+    let root = std::path::Path::new(sysfs::SYSFS);
+    let mut devs = names
         .iter()
-        .map(|ifname| {
+        .enumerate()
+        .map(|(rail, ifname)| {
             let addr = IpAddr::V4(ipv4_of(ifname)?);
-            // Virtual interfaces report -1 or nothing; 10 Gbit/s is NCCL socket's default guess too.
-            let speed_mbps = sysfs(ifname, "speed").and_then(|s| s.parse::<i64>().ok()).filter(|&s| s > 0).unwrap_or(10_000) as u32;
             let mtu = sysfs(ifname, "mtu").and_then(|s| s.parse().ok()).unwrap_or(1500);
-            let pci_path = std::fs::canonicalize(format!("/sys/class/net/{ifname}/device"))
-                .ok()
-                .map(|p| p.to_string_lossy().into_owned())
-                .filter(|p| p.contains("/pci"));
-            Ok(DeviceInfo { name: format!("prism:{ifname}"), ifname: ifname.clone(), addr, speed_mbps, mtu, pci_path })
+            let p = sysfs::udp_placement(root, ifname, rail);
+            Ok(DeviceInfo {
+                name: format!("prism:{ifname}"),
+                ifname: ifname.clone(),
+                addr,
+                speed_mbps: p.speed_mbps,
+                mtu,
+                pci_path: p.pci_path,
+                guid: p.guid,
+            })
         })
-        .collect()
+        .collect::<Result<Vec<_>, TransportError>>()?;
+    let mut unique: Vec<String> = devs.iter().map(|d| d.name.clone()).collect();
+    sysfs::uniquify_names(&mut unique);
+    for (d, n) in devs.iter_mut().zip(unique) {
+        d.name = n;
+    }
+    Ok(devs)
 }
 
 #[cfg(test)]
@@ -77,6 +89,15 @@ mod tests {
         assert_eq!(devs[0].addr, IpAddr::V4(Ipv4Addr::LOCALHOST));
         assert_eq!(devs[0].name, "prism:lo");
         assert!(devs[0].pci_path.is_none());
+    }
+
+    #[test]
+    fn two_rails_on_one_interface_have_distinct_names_and_guids() {
+        let devs = discover(&["lo".to_string(), "lo".to_string()]).unwrap();
+        assert_eq!(devs[0].name, "prism:lo");
+        assert_eq!(devs[1].name, "prism:lo#1");
+        assert_ne!(devs[0].guid, devs[1].guid);
+        assert_eq!(devs[1].ifname, "lo");
     }
 
     #[test]

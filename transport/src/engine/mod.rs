@@ -66,8 +66,10 @@ pub struct DeviceInfo {
     pub speed_mbps: u32,
     /// Interface MTU in bytes.
     pub mtu: u32,
-    /// Real path of the PCI device in sysfs, `None` for virtual interfaces.
+    /// Real path of the PCI function in sysfs, `None` for virtual interfaces (see [`sysfs`]).
     pub pci_path: Option<String>,
+    /// GUID NCCL tells devices apart by: the RDMA node GUID, or MAC and rail index (see [`sysfs`]).
+    pub guid: u64,
 }
 
 /// Bytes the engine reads from when it sends. The plugin implements it over the caller's buffer.
@@ -109,6 +111,7 @@ mod planned;
 mod progress;
 mod rail;
 mod revive;
+pub mod sysfs;
 mod vcomm;
 
 pub use comm::{RecvComm, SendComm};

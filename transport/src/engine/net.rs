@@ -35,7 +35,7 @@ use super::comm::{CommCore, RecvComm, SendComm, SharedCore};
 use super::planned::{PlannedPaths, Plans, SharedRate};
 use super::progress::Progress;
 use super::rail::Rail;
-use super::{device, DeviceInfo, TransportConfig, TransportError, HANDLE_LEN};
+use super::{device, sysfs, DeviceInfo, TransportConfig, TransportError, HANDLE_LEN};
 use super::config::{QpType, Transport};
 use super::vcomm::{decode_peers, encode_peers, VerbsComm};
 use crate::backend::udp::{UdpRail, BATCH};
@@ -302,14 +302,17 @@ impl Net {
                 vdevs.iter().map(|d| format!("{} (GID index {}, {}, {})", d.name, d.gid_index, d.ipv4, d.ifname)).collect();
             let why = if cfg.transport == Transport::Verbs { "PRISM_TRANSPORT=verbs" } else { "auto: RDMA device found" };
             tracing::info!("transport: verbs ({why}; {} {} QPs per rail: {})", cfg.paths, if cfg.qp == QpType::Rc { "RC" } else { "UC" }, names.join(", "));
-            for d in vdevs {
+            for (rail, d) in vdevs.into_iter().enumerate() {
+                // Verbs device names are unique (one entry per device), so the names need no suffix.
+                let p = sysfs::verbs_placement(std::path::Path::new(sysfs::SYSFS), &d.name, 1, &d.ifname, rail);
                 let info = DeviceInfo {
                     name: format!("prism:{}", d.name),
                     ifname: d.ifname.clone(),
                     addr: std::net::IpAddr::V4(d.ipv4),
-                    speed_mbps: d.speed_mbps,
+                    speed_mbps: p.speed_mbps,
                     mtu: d.mtu_bytes,
-                    pci_path: None,
+                    pci_path: p.pci_path,
+                    guid: p.guid,
                 };
                 // One WRITE never spans two lb chunks: the path policy places a packet by the chunk
                 // its offset falls in, so packets that cover several chunks would all follow the
