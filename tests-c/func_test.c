@@ -15,8 +15,8 @@
  *
  * One line per case, "name: ok" or "name: FAIL <why>", then "func: N passed, M failed"; the exit status
  * is non-zero if anything failed. Environment: FUNC_TEST_SEED, FUNC_TEST_WAIT_S, FUNC_TEST_CASE_S (the
- * budget of a whole case), FUNC_TEST_VERBOSE (plugin INFO lines). Case device-pairs needs two devices
- * (PRISM_IFNAMES=lo,lo); every other case runs on device 0.
+ * budget of a whole case), FUNC_TEST_VERBOSE (plugin INFO lines). The program sets PRISM_IFNAMES for each
+ * case: "lo", and for device-pairs two devices, FUNC_TEST_IFNAMES2 (default "lo,lo").
  */
 #define _GNU_SOURCE
 #include <dirent.h>
@@ -29,6 +29,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/prctl.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
 #include <time.h>
@@ -456,11 +457,15 @@ static int case_device_pairs(void) {
   int ndev = 0;
   REQUIRE(shim_devices(g_shim, &ndev) == 0, "devices() failed");
   REQUIRE(ndev >= 2, "%d device(s): this case needs two (PRISM_IFNAMES=lo,lo)", ndev);
+  char names[2][64];
   for (int d = 0; d < ndev; d++) {
     shim_props_t pr;
     REQUIRE(shim_get_props(g_shim, d, &pr) == 0, "getProperties(%d) failed", d);
     if (g_rank == 0) LOG("device %d: name \"%s\", maxComms %d, maxRecvs %d", d, pr.name, pr.max_comms, pr.max_recvs);
+    snprintf(names[d < 2 ? d : 1], sizeof names[0], "%s", pr.name);
   }
+  /* NCCL tells devices apart by name; not a failure of this case, but worth seeing. */
+  if (g_rank == 0 && strcmp(names[0], names[1]) == 0) LOG("note: devices 0 and 1 share the name \"%s\"", names[0]);
   /* Each rank listens once per device; every (local device, peer listen device) pair is connected both ways,
    * one pair at a time, each listen comm accepting once per local device of the peer. */
   void* lcomm[2];
@@ -952,7 +957,7 @@ typedef struct {
   pid_t pid;
   int fd;
   int alive;       /* the hub is open */
-  int reported;    /* F_RESULT received */
+  int reported;    /* F_RESULT received: 1 + how many ranks reported before */
   int ok;
   char why[1024];
   int in_gather;
@@ -980,7 +985,8 @@ static int read_frame(child_t* ch, double deadline) {
     return 0;
   }
   if (f.type == F_RESULT) {
-    ch->reported = 1;
+    static int order;
+    ch->reported = ++order;
     ch->ok = f.len == 0;
     snprintf(ch->why, sizeof ch->why, "%s", data);
   }
@@ -1031,7 +1037,8 @@ static int secondary(const char* why) {
 
 /* Runs one case in fresh ranks; 0 = passed. `why` gets the reason of a failure. */
 static int run_case(const case_t* c, char* why, size_t why_len) {
-  setenv("PRISM_IFNAMES", c->ndevs == 2 ? "lo,lo" : "lo", 1);
+  const char* two = getenv("FUNC_TEST_IFNAMES2");
+  setenv("PRISM_IFNAMES", c->ndevs == 2 ? (two && two[0] ? two : "lo,lo") : "lo", 1);
   int hub[MAX_RANKS][2], chan[NTHREADS][2];
   for (int r = 0; r < c->nranks; r++)
     if (socketpair(AF_UNIX, SOCK_STREAM, 0, hub[r]) != 0) {
@@ -1054,6 +1061,8 @@ static int run_case(const case_t* c, char* why, size_t why_len) {
       return -1;
     }
     if (pid == 0) {
+      prctl(PR_SET_PDEATHSIG, SIGKILL); /* a killed referee takes its ranks along */
+      if (getppid() == 1) _exit(1);
       g_rank = r;
       g_nranks = c->nranks;
       g_hub = hub[r][1];
@@ -1107,13 +1116,17 @@ static int run_case(const case_t* c, char* why, size_t why_len) {
     if (ch[r].alive) close(ch[r].fd);
     free(ch[r].gather);
   }
-  /* The reason: the first rank that reported a failure of its own (not "another rank failed"), else a rank
-   * that reported one, else a timeout or a crash. */
+  /* The reason: the earliest failure a rank reported of its own (not "the other side went away"), else the
+   * earliest reported failure, else a timeout or a crash. */
   why[0] = '\0';
-  for (int pass = 0; pass < 2 && !why[0]; pass++)
-    for (int r = 0; r < c->nranks && !why[0]; r++)
-      if (ch[r].reported && !ch[r].ok && (pass == 1 || !secondary(ch[r].why)))
-        snprintf(why, why_len, "%s", ch[r].why);
+  for (int pass = 0; pass < 2 && !why[0]; pass++) {
+    int best = -1;
+    for (int r = 0; r < c->nranks; r++)
+      if (ch[r].reported && !ch[r].ok && (pass == 1 || !secondary(ch[r].why)) &&
+          (best < 0 || ch[r].reported < ch[best].reported))
+        best = r;
+    if (best >= 0) snprintf(why, why_len, "%s", ch[best].why);
+  }
   int failed = why[0] != '\0';
   for (int r = 0; r < c->nranks; r++) {
     int clean = WIFEXITED(ch[r].status) && WEXITSTATUS(ch[r].status) == 0;
