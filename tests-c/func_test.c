@@ -1112,6 +1112,10 @@ static int run_case(const case_t* c, char* why, size_t why_len) {
       waitpid(ch[r].pid, &ch[r].status, 0);
       ch[r].exited = 1;
     }
+  /* A rank may have written its result and exited between the last poll and waitpid: read what is left. */
+  for (int r = 0; r < c->nranks; r++)
+    while (ch[r].alive && !ch[r].reported && read_frame(&ch[r], now_s() + 1) == 0) {
+    }
   for (int r = 0; r < c->nranks; r++) {
     if (ch[r].alive) close(ch[r].fd);
     free(ch[r].gather);
