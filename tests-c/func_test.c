@@ -863,7 +863,8 @@ static int case_max_recvs(pair_t* p) {
   for (int k = 0; k < nsends; k++) st[k] = k % n, st[nsends + k] = k / n, st[2 * nsends + k] = k % n;
   int rc = grouped("max-recvs-x32", 1, ngroups, n, tags, nsends, st, st + nsends, st + 2 * nsends, p);
   free(st);
-  if (rc == 0) LOG("max-recvs-x32: %d grouped receives of %d (maxRecvs %d), %d sends", ngroups, n, pr.max_recvs, nsends);
+  if (rc == 0)
+    LOG("max-recvs-x32: %d grouped receives of %d (maxRecvs %d), %d sends", ngroups, n, pr.max_recvs, nsends);
   return rc;
 }
 
@@ -1155,7 +1156,8 @@ static int run_case(const case_t* c, char* why, size_t why_len) {
 }
 
 int main(int argc, char** argv) {
-  if (argc < 3 || (strcmp(argv[1], "v9") && strcmp(argv[1], "v10") && strcmp(argv[1], "v11") && strcmp(argv[1], "v12"))) {
+  if (argc < 3 ||
+      (strcmp(argv[1], "v9") && strcmp(argv[1], "v10") && strcmp(argv[1], "v11") && strcmp(argv[1], "v12"))) {
     fprintf(stderr, "usage: %s <v9|v10|v11|v12> <plugin .so> [case ...]\ncases:", argv[0]);
     for (int i = 0; i < NCASES; i++) fprintf(stderr, " %s", CASES[i].name);
     fprintf(stderr, "\n");

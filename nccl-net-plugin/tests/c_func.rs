@@ -58,7 +58,8 @@ fn run(version: &str) {
         println!("--- stderr ---\n{stderr}");
     }
     let failed: Vec<&str> = stdout.lines().filter(|l| l.contains(": FAIL ")).collect();
-    assert!(out.status.success() && failed.is_empty(), "func_test {version} failed ({}):\n{}", out.status, failed.join("\n"));
+    let failures = failed.join("\n");
+    assert!(out.status.success() && failed.is_empty(), "func_test {version} failed ({}):\n{failures}", out.status);
     assert!(stdout.contains("func: 10 passed, 0 failed"), "func_test {version}: not every case ran and passed");
 }
 
