@@ -339,6 +339,30 @@ int shim_irecv(shim_t* s, void* recv_comm, void* data, size_t size, int tag, voi
   return SHIM_ERR_USAGE;
 }
 
+int shim_irecv_n(shim_t* s, void* recv_comm, int n, void** data, size_t* sizes, int* tags, void** mhandles,
+                 void** request) {
+  if (s == NULL || request == NULL || n < 1 || n > PRISM_NET_MAX_REQUESTS) return SHIM_ERR_USAGE;
+  void* phandles[PRISM_NET_MAX_REQUESTS] = {NULL};
+  *request = NULL;
+  switch (s->version) {
+    case 9: return s->t.v9->irecv(recv_comm, n, data, sizes, tags, mhandles, request);
+    case 10: return s->t.v10->irecv(recv_comm, n, data, sizes, tags, mhandles, phandles, request);
+    case 11: return s->t.v11->irecv(recv_comm, n, data, sizes, tags, mhandles, phandles, request);
+    case 12: return s->t.v12->irecv(recv_comm, n, data, sizes, tags, mhandles, phandles, request);
+  }
+  return SHIM_ERR_USAGE;
+}
+
+int shim_test_n(shim_t* s, void* request, int* done, int* sizes, int n) {
+  if (s == NULL || done == NULL || n < 0 || n > PRISM_NET_MAX_REQUESTS) return SHIM_ERR_USAGE;
+  *done = 0;
+  int all[PRISM_NET_MAX_REQUESTS] = {0};
+  int rc = s->t.v9->test(request, done, all);
+  if (sizes != NULL)
+    for (int i = 0; i < n; i++) sizes[i] = all[i];
+  return rc;
+}
+
 int shim_test(shim_t* s, void* request, int* done, int* size) {
   if (s == NULL || done == NULL) return SHIM_ERR_USAGE;
   *done = 0;

@@ -70,6 +70,11 @@ int shim_isend(shim_t* s, void* send_comm, void* data, size_t size, int tag, voi
 /* A single receive (n = 1). */
 int shim_irecv(shim_t* s, void* recv_comm, void* data, size_t size, int tag, void* mhandle, void** request);
 int shim_test(shim_t* s, void* request, int* done, int* size);
+/* A grouped receive of n buffers (1 <= n <= the device's maxRecvs), as NCCL's proxy posts them. */
+int shim_irecv_n(shim_t* s, void* recv_comm, int n, void** data, size_t* sizes, int* tags, void** mhandles,
+                 void** request);
+/* test for a grouped receive: on completion sizes[0..n) get the bytes received into each buffer. */
+int shim_test_n(shim_t* s, void* request, int* done, int* sizes, int n);
 int shim_close_send(shim_t* s, void* send_comm);
 int shim_close_recv(shim_t* s, void* recv_comm);
 int shim_close_listen(shim_t* s, void* listen_comm);
