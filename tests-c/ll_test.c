@@ -120,11 +120,16 @@ static void* poller(void* arg) {
   int reported = 0;
   while (!atomic_load_explicit(&g_stop, memory_order_relaxed)) {
     for (uint32_t i = 0; i < LINES; i++) {
-      /* One aligned 16-byte load, as NCCL's LL reader does (ld.volatile.v4.u32 on the GPU). */
-      __m128i v = _mm_load_si128((const __m128i*)(const volatile void*)(g_rbuf + (size_t)i * LINE_BYTES));
-      __asm__ __volatile__("" ::: "memory");
+      /* One aligned 16-byte load, as NCCL's LL reader does (ld.volatile.v4.u32 on the GPU). Written as
+       * asm: from an intrinsic the compiler may (and gcc -O2 does) split the load into four 4-byte
+       * loads in any order, which tears lines by itself. The words are then taken from the register. */
+      __m128i v;
+      __asm__ __volatile__("movdqa %1, %0" : "=x"(v) : "m"(*(const __m128i*)(g_rbuf + (size_t)i * LINE_BYTES)));
       uint32_t w[4];
-      _mm_storeu_si128((__m128i*)w, v);
+      w[0] = (uint32_t)_mm_cvtsi128_si32(v);
+      w[1] = (uint32_t)_mm_cvtsi128_si32(_mm_srli_si128(v, 4));
+      w[2] = (uint32_t)_mm_cvtsi128_si32(_mm_srli_si128(v, 8));
+      w[3] = (uint32_t)_mm_cvtsi128_si32(_mm_srli_si128(v, 12));
       if (w[1] == 0 || w[1] != w[3]) continue; /* the reader would wait for this line */
       checked++;
       if (w[0] != data0_of(w[1], i) || w[2] != data1_of(w[1], i)) {
