@@ -35,6 +35,7 @@ for paths in $PATHS_LIST; do
   metric "${label}_lines_checked" "${checked:-null}"
   metric "${label}_torn" "${torn:-null}"
   metric "${label}_wrong" "${wrong:-null}"
+  metric "${label}_ahead" "$(field ahead)"   # next step's data under old flags: a line being written, harmless
   [ "$rc" -eq 0 ]; check "${label}_exit_0" $? "ll_test rc=$rc$([ "$rc" -eq 124 ] && echo " (killed after ${LL_LIMIT}s)")"
   [ -n "$summary" ] && [ "$torn" = 0 ] && [ "$wrong" = 0 ]
   check "${label}_no_torn_line_every_byte_right" $? "${summary:-no summary line}"
