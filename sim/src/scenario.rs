@@ -541,7 +541,7 @@ impl Scenario {
         }
         // Prism's packets carry whole 128-byte lines (NCCL's LL128; `wire::LINE_BYTES`): the simulated
         // protocol would use a smaller payload than the wire-time model assumes.
-        if !(128..=65_536).contains(&self.packet.payload) || self.packet.payload % 128 != 0 {
+        if !(128..=65_536).contains(&self.packet.payload) || !self.packet.payload.is_multiple_of(128) {
             return Err(invalid(
                 "packet.payload",
                 "must be a multiple of 128 between 128 and 65536",

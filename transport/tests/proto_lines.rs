@@ -126,7 +126,7 @@ fn every_packet_boundary_falls_on_a_line_for_many_payload_and_message_sizes() {
     for &p in &payloads {
         // A transmit buffer exactly as large as the payload, and one smaller than it (not whole lines);
         // never below one line, which proto needs to send anything at all.
-        for room in [p.max(LINE_BYTES), p.min(3001).max(LINE_BYTES)] {
+        for room in [p.max(LINE_BYTES), p.clamp(LINE_BYTES, 3001)] {
             for &l in &lens {
                 total += run(p, room, &[l]);
             }

@@ -184,7 +184,7 @@ impl TransportConfig {
             c.ib_gid_index = Some(g);
         }
         num(vars, "PRISM_IB_CHUNK", 1024, 1 << 24, &mut c.ib_chunk)?;
-        if c.ib_chunk as usize % crate::wire::LINE_BYTES != 0 {
+        if !(c.ib_chunk as usize).is_multiple_of(crate::wire::LINE_BYTES) {
             let v = vars.get("PRISM_IB_CHUNK").map_or("", String::as_str);
             return Err(bad("PRISM_IB_CHUNK", v, &format!("must be a multiple of {} (NCCL's LL128 line)", crate::wire::LINE_BYTES)));
         }
