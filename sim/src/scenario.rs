@@ -584,6 +584,14 @@ mod tests {
     }
 
     #[test]
+    fn a_payload_of_partial_lines_is_refused() {
+        let with = |p: usize| MINIMAL.replace("\"schemes\"", &format!("\"packet\": {{ \"payload\": {p}, \"overhead\": 66 }}, \"schemes\""));
+        let e = Scenario::from_json(&with(1000)).unwrap_err().to_string();
+        assert!(e.contains("packet.payload") && e.contains("multiple of 128"), "{e}");
+        assert_eq!(Scenario::from_json(&with(8832)).unwrap().packet.payload, 8832);
+    }
+
+    #[test]
     fn an_unknown_field_is_an_error_naming_it() {
         let e = Scenario::from_json(
             &MINIMAL
