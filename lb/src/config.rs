@@ -56,6 +56,9 @@ impl PathKind {
 
 /// Smallest and largest `PRISM_CHUNK`.
 pub const CHUNK_RANGE: (u32, u32) = (256, 16 << 20);
+/// `PRISM_CHUNK` is a multiple of this: a transport that sizes its packets by the chunk keeps packet
+/// boundaries on NCCL's 128-byte LL128 lines.
+pub const CHUNK_ALIGN: u32 = 128;
 /// Largest k of `PRISM_SPLIT=fixed:k`.
 pub const MAX_FIXED_SPLIT: u16 = 64;
 
@@ -191,6 +194,13 @@ impl LbConfig {
         if let Some(v) = get("PRISM_CHUNK") {
             c.chunk_bytes =
                 integer("PRISM_CHUNK", v, CHUNK_RANGE.0 as u64, CHUNK_RANGE.1 as u64)? as u32;
+            if c.chunk_bytes % CHUNK_ALIGN != 0 {
+                return Err(bad(
+                    "PRISM_CHUNK",
+                    v.trim(),
+                    format!("must be a multiple of {CHUNK_ALIGN} (NCCL's LL128 line)"),
+                ));
+            }
         }
         if let Some(v) = get("PRISM_SPLIT") {
             let t = v.trim();
@@ -489,6 +499,7 @@ mod tests {
             ("PRISM_LPT_TIE", "random", "rotated, lowest"),
             ("PRISM_CHUNK", "100", "between 256 and 16777216"),
             ("PRISM_CHUNK", "32k", "between 256 and 16777216"),
+            ("PRISM_CHUNK", "1000", "multiple of 128"),
             ("PRISM_SPLIT", "fixed:0", "between 1 and 64"),
             ("PRISM_SPLIT", "fixed:x", "between 1 and 64"),
             ("PRISM_SPLIT", "half", "ethereal, none, fixed:k"),

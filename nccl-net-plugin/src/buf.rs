@@ -99,7 +99,41 @@ impl RecvBuf for HostRecvBuf {
         // SAFETY: the range is inside the posted buffer (checked above, and non-empty so len > 0 and ptr
         // is non-null), which `new`'s contract keeps valid and exclusive for writes; `data` is the
         // engine's packet memory, never NCCL's receive buffer.
-        unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), self.ptr.add(offset), data.len()) };
+        unsafe { ordered_copy(self.ptr.add(offset), data) };
+    }
+}
+
+/// Copies `src` to `dst` in ascending address order, 8 aligned bytes per store where `dst` allows,
+/// each a release store: another thread sees the stores in that order, and never half of one.
+///
+/// NCCL's LL and LL128 readers poll the receive buffer while the network writes it and trust a line
+/// (LL: 16 bytes `{data0, flag0, data1, flag1}`; LL128: 128 bytes, a flag in the last 8) as soon as its
+/// flags are new. `memcpy` promises no order (`rep movsb` may make its stores visible out of order),
+/// and a reader polling during 64 KiB transfers saw lines with both flags new but data words still
+/// old (`tests-c/ll_test.c`). With 8-byte stores, `{data, flag}` is never torn; in ascending order, a
+/// line's last flag is never visible before the bytes in front of it. On x86 a release store is a
+/// plain `mov`. (Packets start on 128-byte boundaries of the message, so no line spans two copies.)
+///
+/// # Safety
+/// `dst` must be valid for writes of `src.len()` bytes that nobody else writes meanwhile, and must not
+/// overlap `src`.
+unsafe fn ordered_copy(dst: *mut u8, src: &[u8]) {
+    use std::sync::atomic::{AtomicU64, AtomicU8, Ordering::Release};
+    let head = dst.align_offset(8).min(src.len());
+    let words = (src.len() - head) / 8;
+    for (i, &b) in src[..head].iter().enumerate() {
+        // SAFETY: `i < src.len()`: inside the range the caller vouches for; a byte is always aligned.
+        unsafe { AtomicU8::from_ptr(dst.add(i)).store(b, Release) };
+    }
+    for (k, w) in src[head..head + 8 * words].chunks_exact(8).enumerate() {
+        let v = u64::from_ne_bytes([w[0], w[1], w[2], w[3], w[4], w[5], w[6], w[7]]);
+        // SAFETY: `head + 8k + 8 <= src.len()`: inside the caller's range; `dst + head` is 8-aligned
+        // (align_offset), so is every word after it.
+        unsafe { AtomicU64::from_ptr(dst.add(head + 8 * k).cast::<u64>()).store(v, Release) };
+    }
+    for (i, &b) in src.iter().enumerate().skip(head + 8 * words) {
+        // SAFETY: `i < src.len()`: inside the caller's range.
+        unsafe { AtomicU8::from_ptr(dst.add(i)).store(b, Release) };
     }
 }
 
@@ -124,6 +158,21 @@ mod tests {
         let mut buf = unsafe { HostRecvBuf::new(dst.as_mut_ptr(), 8) };
         buf.write(4, &[1, 2, 3, 4]);
         assert_eq!(dst, [0xEE, 0xEE, 0xEE, 0xEE, 1, 2, 3, 4, 0xEE, 0xEE, 0xEE, 0xEE, 0xEE, 0xEE, 0xEE, 0xEE]);
+    }
+
+    #[test]
+    fn every_alignment_and_length_is_copied_exactly() {
+        let src: Vec<u8> = (0..200u32).map(|i| (i * 7 + 1) as u8).collect();
+        for start in 0..9 {
+            for n in [0, 1, 7, 8, 9, 15, 16, 17, 63, 64, 65, 128, 190] {
+                let mut dst = vec![0xEEu8; 208];
+                // SAFETY: `dst` outlives `buf` and is only accessed through it meanwhile.
+                let mut buf = unsafe { HostRecvBuf::new(dst.as_mut_ptr(), 208) };
+                buf.write(start, &src[..n]);
+                assert_eq!(&dst[start..start + n], &src[..n], "start {start}, {n} bytes");
+                assert!(dst[..start].iter().chain(&dst[start + n..]).all(|&b| b == 0xEE), "start {start}, {n} bytes");
+            }
+        }
     }
 
     #[test]

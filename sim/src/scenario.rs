@@ -172,7 +172,7 @@ pub struct LinkSpec {
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct PacketSpec {
-    /// Payload bytes per DATA packet.
+    /// Payload bytes per DATA packet (a multiple of 128, as Prism's packets carry whole LL128 lines).
     pub payload: usize,
     /// Bytes each packet takes on the wire beyond Prism's datagram (Ethernet/IP/UDP headers, FCS,
     /// preamble and inter-frame gap).
@@ -539,8 +539,13 @@ impl Scenario {
                 "must hold at least one full packet",
             ));
         }
-        if !(64..=65_536).contains(&self.packet.payload) {
-            return Err(invalid("packet.payload", "must be between 64 and 65536"));
+        // Prism's packets carry whole 128-byte lines (NCCL's LL128; `wire::LINE_BYTES`): the simulated
+        // protocol would use a smaller payload than the wire-time model assumes.
+        if !(128..=65_536).contains(&self.packet.payload) || !self.packet.payload.is_multiple_of(128) {
+            return Err(invalid(
+                "packet.payload",
+                "must be a multiple of 128 between 128 and 65536",
+            ));
         }
         if self.schemes.is_empty() {
             return Err(invalid("schemes", "list at least one scheme"));
@@ -576,6 +581,14 @@ mod tests {
         let s = Scenario::from_json(MINIMAL).unwrap();
         assert_eq!((s.seed, s.runs, s.packet.payload), (1, 1, 4096));
         assert_eq!(s.schemes[0].switch, SwitchMode::PathId);
+    }
+
+    #[test]
+    fn a_payload_of_partial_lines_is_refused() {
+        let with = |p: usize| MINIMAL.replace("\"schemes\"", &format!("\"packet\": {{ \"payload\": {p}, \"overhead\": 66 }}, \"schemes\""));
+        let e = Scenario::from_json(&with(1000)).unwrap_err().to_string();
+        assert!(e.contains("packet.payload") && e.contains("multiple of 128"), "{e}");
+        assert_eq!(Scenario::from_json(&with(8832)).unwrap().packet.payload, 8832);
     }
 
     #[test]

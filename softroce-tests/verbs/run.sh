@@ -7,8 +7,8 @@
 #   --bin-dir DIR    where prism-perf and libnccl-net-prism.so are (default: $CARGO_TARGET_DIR/release,
 #                    else target/release of this repository)
 #   --no-build       do not run `cargo build --release` for the Prism binaries first
-#   --scenarios L    comma-separated subset of: perftest capture prism-udp failure proxy-verbs perf-verbs
-#                    capture-verbs failure-verbs fabric-2vm (default: all)
+#   --scenarios L    comma-separated subset of: perftest capture prism-udp failure proxy-verbs ll-verbs
+#                    perf-verbs capture-verbs failure-verbs fabric-2vm (default: all)
 #   --guest-env K=V  set K=V in the scenario's environment (repeatable; e.g. IFNAME=lo, PRISM_PATHS=8)
 #   --timeout S      per-boot limit in seconds (default 600); a guest that outlives it is killed and
 #                    its scenario fails
@@ -23,9 +23,9 @@ REPO="$(cd "$VERBS_DIR/../.." && pwd)"
 # PRISM_VM_CACHE moves the image cache (e.g. somewhere that outlives a fresh CI clone).
 CACHE_DIR="${PRISM_VM_CACHE:-$REPO/softroce-tests/.cache}"
 OUT_DIR="$REPO/target/softroce"
-ALL_SCENARIOS="perftest capture prism-udp failure proxy-verbs perf-verbs capture-verbs failure-verbs fabric-2vm"
+ALL_SCENARIOS="perftest capture prism-udp failure proxy-verbs ll-verbs perf-verbs capture-verbs failure-verbs fabric-2vm"
 # Scenarios that run Prism (they need the host-built binaries).
-PRISM_SCENARIOS="prism-udp proxy-verbs perf-verbs capture-verbs failure-verbs fabric-2vm"
+PRISM_SCENARIOS="prism-udp proxy-verbs ll-verbs perf-verbs capture-verbs failure-verbs fabric-2vm"
 # shellcheck source=lib/common.sh
 . "$VERBS_DIR/lib/common.sh"
 # shellcheck source=lib/image.sh
@@ -115,6 +115,9 @@ PRISM_BINS=""
 if [ "$NEED_PRISM" -eq 1 ]; then
   cc -std=c11 -O2 -Wall -Wextra -Werror -I "$REPO/include" "$REPO/tests-c/proxy_test.c" -o "$ov/opt/prism/proxy_test" -ldl \
     || die "compiling tests-c/proxy_test.c failed"
+  # NCCL's LL reader (ll-verbs), built as scripts/test builds it.
+  cc -std=c11 -O2 -Wall -Wextra -Werror -I "$REPO/include" "$REPO/tests-c/ll_test.c" -o "$ov/opt/prism/ll_test" -ldl -lpthread \
+    || die "compiling tests-c/ll_test.c failed"
 fi
 for f in prism-perf libnccl-net-prism.so; do
   if [ -f "$BIN_DIR/$f" ]; then

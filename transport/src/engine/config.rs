@@ -184,6 +184,10 @@ impl TransportConfig {
             c.ib_gid_index = Some(g);
         }
         num(vars, "PRISM_IB_CHUNK", 1024, 1 << 24, &mut c.ib_chunk)?;
+        if !(c.ib_chunk as usize).is_multiple_of(crate::wire::LINE_BYTES) {
+            let v = vars.get("PRISM_IB_CHUNK").map_or("", String::as_str);
+            return Err(bad("PRISM_IB_CHUNK", v, &format!("must be a multiple of {} (NCCL's LL128 line)", crate::wire::LINE_BYTES)));
+        }
         Ok(c)
     }
 
@@ -251,6 +255,14 @@ mod tests {
             assert!(e.starts_with(&format!("{k}={v}: ")), "{e}");
         }
         assert_eq!(TransportConfig::default().transport, Transport::Auto);
+    }
+
+    #[test]
+    fn ib_chunk_must_be_whole_lines() {
+        let e = TransportConfig::from_vars(&vars(&[("PRISM_IB_CHUNK", "65000")])).unwrap_err().to_string();
+        assert_eq!(e, "PRISM_IB_CHUNK=65000: must be a multiple of 128 (NCCL's LL128 line)");
+        let c = TransportConfig::from_vars(&vars(&[("PRISM_IB_CHUNK", "8448")])).unwrap();
+        assert_eq!(c.ib_chunk, 8448);
     }
 
     #[test]

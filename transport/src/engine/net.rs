@@ -317,8 +317,11 @@ impl Net {
                 // One WRITE never spans two lb chunks: the path policy places a packet by the chunk
                 // its offset falls in, so packets that cover several chunks would all follow the
                 // first one's rail (with 64 KiB packets over 32 KiB chunks, every packet started on
-                // an even chunk and one rail carried everything).
+                // an even chunk and one rail carried everything). Both sizes are whole lines
+                // (multiples of `wire::LINE_BYTES`, checked by their parsers; rounded here again), so
+                // every WRITE but a buffer's last one ends on a line boundary (NCCL's LL/LL128).
                 let payload = cfg.ib_chunk.min(lb.chunk_bytes.max(1024)) as usize;
+                let payload = payload - payload % wire::LINE_BYTES;
                 min_dgram = min_dgram.min(wire::MAX_HEADER_LEN + payload);
                 let addr = d.ipv4;
                 rails.push(Arc::new(Rail::new(info, None, Some(Arc::new(d)), addr, min_dgram)));
@@ -332,7 +335,7 @@ impl Net {
             // IP (20) + UDP (8) headers come out of the MTU; loopback's 64 KiB MTU is capped like jumbo frames.
             let mtu = if cfg.mtu == 0 { info.mtu.min(9000) } else { cfg.mtu } as usize;
             let max_dgram = mtu.saturating_sub(28);
-            if max_dgram < wire::MAX_HEADER_LEN + 64 {
+            if max_dgram < wire::MAX_HEADER_LEN + wire::MIN_PAYLOAD {
                 return Err(TransportError::Config(format!("PRISM_MTU={mtu}: too small for Prism's headers")));
             }
             min_dgram = min_dgram.min(max_dgram);
@@ -348,10 +351,13 @@ impl Net {
         }
         let (lb_rt, host_id) = lb_runtime(&cfg, &lb, &rails)?;
         // Every rail uses the smallest payload so that a retransmission fits on any of them. A comm's
-        // entropies cover every rail (rail-major), so its proto knows rails × paths of them.
+        // entropies cover every rail (rail-major), so its proto knows rails × paths of them. The
+        // payload is whole lines (`wire::LINE_BYTES`): at MTU 9000 a datagram holds 8,908 payload
+        // bytes, of which 8,832 are used, so that packets sprayed out of order never tear an LL line.
+        let payload = min_dgram - wire::MAX_HEADER_LEN;
         let proto = ProtoConfig {
             n_paths: cfg.paths * rails.len() as u16,
-            max_payload: min_dgram - wire::MAX_HEADER_LEN,
+            max_payload: payload - payload % wire::LINE_BYTES,
             window_pkts: cfg.window_pkts,
             // A batch is reordered by up to its length when it is spread over the sockets; a small
             // window (slow links) cannot have that many packets overtake a lost one, so stay below it.

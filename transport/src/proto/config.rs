@@ -1,7 +1,7 @@
 //! Protocol parameters of one connection.
 
 use super::OOO_WINDOW_PKTS;
-use crate::wire::MIN_PAYLOAD;
+use crate::wire::{LINE_BYTES, MIN_PAYLOAD};
 
 /// Protocol parameters of one connection. Times are microseconds.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -9,6 +9,8 @@ pub struct ProtoConfig {
     /// Entropies (paths) `0..n_paths`.
     pub n_paths: u16,
     /// Payload bytes per DATA packet; no packet exceeds `max_payload + wire::MAX_HEADER_LEN` bytes.
+    /// Used rounded down to a multiple of [`LINE_BYTES`], so that packet boundaries fall on line
+    /// boundaries of the message.
     pub max_payload: usize,
     /// Most DATA packets in flight per connection.
     pub window_pkts: u32,
@@ -61,7 +63,7 @@ impl ProtoConfig {
     pub(crate) fn sanitized(&self) -> Self {
         let mut c = self.clone();
         c.n_paths = c.n_paths.max(1);
-        c.max_payload = c.max_payload.clamp(MIN_PAYLOAD, u32::MAX as usize);
+        c.max_payload = line_floor(c.max_payload.clamp(MIN_PAYLOAD, u32::MAX as usize));
         c.window_pkts = c.window_pkts.clamp(1, OOO_WINDOW_PKTS as u32);
         c.reorder_threshold = c.reorder_threshold.clamp(1, OOO_WINDOW_PKTS as u32);
         c.rto_min_us = c.rto_min_us.max(1);
@@ -79,6 +81,11 @@ impl ProtoConfig {
         }
         c
     }
+}
+
+/// `n` rounded down to a multiple of [`LINE_BYTES`].
+pub(crate) fn line_floor(n: usize) -> usize {
+    n - n % LINE_BYTES
 }
 
 #[cfg(test)]
@@ -110,5 +117,14 @@ mod tests {
         let c = zero.sanitized();
         assert_eq!((c.n_paths, c.max_payload, c.window_pkts, c.sack_every_pkts), (1, MIN_PAYLOAD, 1, 1));
         assert!(c.rto_min_us >= 1 && c.rto_max_us >= c.rto_min_us && c.rto_initial_us >= c.rto_min_us);
+    }
+
+    #[test]
+    fn max_payload_is_rounded_down_to_whole_lines() {
+        for (given, used) in [(8908, 8832), (1408, 1408), (1409, 1408), (1535, 1408), (129, 128), (100, 128), (65_536, 65_536)] {
+            let c = ProtoConfig { max_payload: given, ..ProtoConfig::default() }.sanitized();
+            assert_eq!(c.max_payload, used, "max_payload {given}");
+            assert_eq!(c.max_payload % LINE_BYTES, 0);
+        }
     }
 }

@@ -705,7 +705,8 @@ impl Connection {
         if self.tx.next_psn - self.tx.snd_una >= OOO_WINDOW_PKTS {
             return None;
         }
-        let max_payload = self.cfg.max_payload.min(out.len().checked_sub(DATA_HEADER_LEN)?) as u64;
+        // Whole lines only: every packet but a buffer's last one ends on a line boundary of the message.
+        let max_payload = super::config::line_floor(self.cfg.max_payload.min(out.len().checked_sub(DATA_HEADER_LEN)?)) as u64;
         let item = self.tx.tx_queue.front_mut()?;
         let remaining = item.total - item.next_offset;
         let len = if item.trunc { 0 } else { remaining.min(max_payload) };

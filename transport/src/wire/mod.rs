@@ -30,9 +30,15 @@ pub const MAX_RECV_BUFS: usize = 8;
 /// Bytes of the largest header: a DATA packet is at most `MAX_HEADER_LEN + payload` bytes.
 pub const MAX_HEADER_LEN: usize = DATA_HEADER_LEN;
 
-/// Smallest payload size a connection uses; every control packet fits in
+/// Every DATA packet's payload starts at a multiple of this many bytes of its buffer, and every packet
+/// but the last of a buffer carries a multiple of it: NCCL's LL reader trusts a 16-byte line (LL128: a
+/// 128-byte line) once its flags are new, so no write may end inside a line (NCCL's IB transport
+/// aligns its writes to 128 bytes for the same reason).
+pub const LINE_BYTES: usize = 128;
+
+/// Smallest payload size a connection uses (one line); every control packet fits in
 /// `MAX_HEADER_LEN + MIN_PAYLOAD` bytes, so a datagram buffer sized for DATA also fits any control packet.
-pub const MIN_PAYLOAD: usize = 64;
+pub const MIN_PAYLOAD: usize = LINE_BYTES;
 
 const _: () = assert!(CTS_MAX_LEN <= MAX_HEADER_LEN + MIN_PAYLOAD);
 const _: () = assert!(SACK_LEN <= MAX_HEADER_LEN + MIN_PAYLOAD);
