@@ -358,6 +358,7 @@ impl Net {
                 .min((cfg.window_pkts / 2).max(3)),
             rto_min_us: cfg.rto_min_us,
             peer_timeout_us: cfg.peer_timeout_ms * 1000,
+            stall_timeout_us: cfg.stall_timeout_ms * 1000,
             ..ProtoConfig::default()
         };
         tracing::info!("load balancing: {} (host id {host_id})", lb.describe());
