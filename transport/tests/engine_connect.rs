@@ -179,7 +179,7 @@ fn a_correct_reply_from_the_fake_listener_is_accepted() {
     // The fake listener's replies are right when nothing is changed: the refusals above are the
     // checks at work, not a broken fake.
     let net = net("5000");
-    let fake = FakeListener::new(|hello| reply_to(hello));
+    let fake = FakeListener::new(reply_to);
     let mut handle = handle_for(&net, fake.port);
     let (res, _, _) = connect_until_done(&net, &mut handle);
     assert!(res.is_ok(), "{res:?}");

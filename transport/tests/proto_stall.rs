@@ -46,13 +46,16 @@ impl Placer for Sink {
     }
 }
 
+/// A datagram on its way: (arrival time, tie-break sequence, destination end, bytes).
+type InTransit = (Micros, u64, usize, Vec<u8>);
+
 struct Sim {
     now: Micros,
     conns: [Connection; 2],
     src: Source,
     sink: Sink,
     done: [Vec<(Micros, Completion)>; 2],
-    queue: BinaryHeap<Reverse<(Micros, u64, usize, Vec<u8>)>>,
+    queue: BinaryHeap<Reverse<InTransit>>,
     seq: u64,
     loss: f64,
     rng: SmallRng,
@@ -204,8 +207,9 @@ fn forged_data_ahead_of_the_sender_fails_the_send_within_the_stall_timeout() {
     assert!(matches!(c, Completion::Failed { msg, .. } if *msg == send));
     assert!(*t >= STALL_US && *t <= STALL_US + 500_000, "the send failed at {t} µs, bound {STALL_US} µs");
     assert!(ms >= STALL_US / 1000 && reason.contains("unacknowledged"), "{c:?}");
+    let Completion::Failed { error, .. } = c else { unreachable!("checked above") };
     assert_eq!(
-        c.to_string_error(),
+        error.to_string(),
         format!("no progress for {ms} ms while the peer was alive: DATA sent to the peer stays unacknowledged")
     );
     // The forged bytes cover exactly the real first packet's range, so the receive is complete, with
@@ -303,16 +307,4 @@ fn heavy_loss_slows_a_transfer_without_tripping_the_watchdog() {
     let st = sim.conns[A].stats();
     assert!(sim.now > 2 * STALL_US, "the lossy transfer took only {} µs: not slower than the bound", sim.now);
     assert!(st.retransmissions > 1000 && st.timeouts > 100, "{} retransmissions, {} timeouts", st.retransmissions, st.timeouts);
-}
-
-trait ErrorText {
-    fn to_string_error(&self) -> String;
-}
-impl ErrorText for Completion {
-    fn to_string_error(&self) -> String {
-        match self {
-            Completion::Failed { error, .. } => error.to_string(),
-            other => format!("{other:?}"),
-        }
-    }
 }
