@@ -313,6 +313,7 @@ impl Sim {
             path_revive_us: 100_000,
             peer_timeout_us: 10_000_000,
             keepalive_us: 100_000,
+            stall_timeout_us: 20_000_000,
             sack_every_pkts: p.sack_every_pkts,
             sack_delay_us: p.sack_delay_us,
         };

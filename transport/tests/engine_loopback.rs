@@ -179,23 +179,25 @@ fn silent_peer(net: &Net) -> (SendComm, std::net::UdpSocket) {
     let udp = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
     let mut handle = [0u8; HANDLE_LEN];
     handle[0..4].copy_from_slice(b"PRSM");
-    handle[4] = 3;
+    handle[4] = 4;
     handle[6..8].copy_from_slice(&tcp.local_addr().unwrap().port().to_be_bytes());
     handle[8..12].copy_from_slice(&[127, 0, 0, 1]);
     handle[12..20].copy_from_slice(&77u64.to_be_bytes());
     let udp_port = udp.local_addr().unwrap().port();
     let peer = std::thread::spawn(move || {
         let (mut s, _) = tcp.accept().unwrap();
-        let mut hello = [0u8; 128];
+        let mut hello = [0u8; 144];
         s.read_exact(&mut hello).unwrap();
-        let mut reply = [0u8; 128];
+        let mut reply = [0u8; 144];
         reply[0..4].copy_from_slice(b"PRSM");
-        reply[4] = 3;
+        reply[4] = 4;
         reply[6] = 1; // one rail; byte 7 = 0: UDP backend; bytes 28..32 = 0: no verbs block
         reply[8..16].copy_from_slice(&77u64.to_be_bytes());
         reply[16..24].copy_from_slice(&0x5eed_u64.to_be_bytes());
-        reply[32..36].copy_from_slice(&[127, 0, 0, 1]);
-        reply[36..38].copy_from_slice(&udp_port.to_be_bytes());
+        reply[32..40].copy_from_slice(&hello[16..24]); // echo of the connector's token
+        reply[40] = 2; // a reply
+        reply[48..52].copy_from_slice(&[127, 0, 0, 1]);
+        reply[52..54].copy_from_slice(&udp_port.to_be_bytes());
         s.write_all(&reply).unwrap();
     });
     let t0 = Instant::now();

@@ -19,6 +19,9 @@ pub struct TransportConfig {
     pub window_pkts: u32,
     /// `PRISM_PEER_TIMEOUT_MS`: silence after which outstanding requests fail.
     pub peer_timeout_ms: u64,
+    /// `PRISM_STALL_TIMEOUT_MS`: time without progress (DATA unacknowledged, a started receive without
+    /// new data) after which outstanding requests fail although the peer still answers.
+    pub stall_timeout_ms: u64,
     /// `PRISM_CONNECT_TIMEOUT_MS`: how long a handshake may take before connect/accept fail.
     pub connect_timeout_ms: u64,
     /// `PRISM_RTO_MIN_US`: lower clamp of the per-path retransmission timeout.
@@ -69,6 +72,7 @@ impl Default for TransportConfig {
             mtu: 0,
             window_pkts: 512,
             peer_timeout_ms: 10_000,
+            stall_timeout_ms: 20_000,
             connect_timeout_ms: 120_000,
             rto_min_us: 5_000,
             sockbuf: 8 << 20,
@@ -112,6 +116,7 @@ impl TransportConfig {
         "PRISM_MTU",
         "PRISM_WINDOW",
         "PRISM_PEER_TIMEOUT_MS",
+        "PRISM_STALL_TIMEOUT_MS",
         "PRISM_CONNECT_TIMEOUT_MS",
         "PRISM_RTO_MIN_US",
         "PRISM_SOCKBUF",
@@ -146,6 +151,7 @@ impl TransportConfig {
         }
         num(vars, "PRISM_WINDOW", 1, 65_536, &mut c.window_pkts)?;
         num(vars, "PRISM_PEER_TIMEOUT_MS", 10, 3_600_000, &mut c.peer_timeout_ms)?;
+        num(vars, "PRISM_STALL_TIMEOUT_MS", 10, 3_600_000, &mut c.stall_timeout_ms)?;
         num(vars, "PRISM_CONNECT_TIMEOUT_MS", 10, 3_600_000, &mut c.connect_timeout_ms)?;
         num(vars, "PRISM_RTO_MIN_US", 10, 10_000_000, &mut c.rto_min_us)?;
         num(vars, "PRISM_SOCKBUF", 65_536, 1 << 30, &mut c.sockbuf)?;
@@ -196,7 +202,7 @@ impl TransportConfig {
         let ifs = if self.ifnames.is_empty() { "<default route>".to_string() } else { self.ifnames.join(",") };
         let mtu = if self.mtu == 0 { "auto".to_string() } else { self.mtu.to_string() };
         format!(
-            "transport={} ifnames={ifs} ib_hca={} qp={} ib_gid_index={} ib_chunk={} paths={} mtu={mtu} window={} peer_timeout_ms={} connect_timeout_ms={} rto_min_us={} sockbuf={} seed={}",
+            "transport={} ifnames={ifs} ib_hca={} qp={} ib_gid_index={} ib_chunk={} paths={} mtu={mtu} window={} peer_timeout_ms={} stall_timeout_ms={} connect_timeout_ms={} rto_min_us={} sockbuf={} seed={}",
             match self.transport {
                 Transport::Auto => "auto",
                 Transport::Verbs => "verbs",
@@ -209,7 +215,7 @@ impl TransportConfig {
             },
             self.ib_gid_index.map_or("auto".to_string(), |g| g.to_string()),
             self.ib_chunk,
-            self.paths, self.window_pkts, self.peer_timeout_ms, self.connect_timeout_ms, self.rto_min_us, self.sockbuf, self.seed
+            self.paths, self.window_pkts, self.peer_timeout_ms, self.stall_timeout_ms, self.connect_timeout_ms, self.rto_min_us, self.sockbuf, self.seed
         )
     }
 }
@@ -263,6 +269,15 @@ mod tests {
         assert_eq!(e, "PRISM_IB_CHUNK=65000: must be a multiple of 128 (NCCL's LL128 line)");
         let c = TransportConfig::from_vars(&vars(&[("PRISM_IB_CHUNK", "8448")])).unwrap();
         assert_eq!(c.ib_chunk, 8448);
+    }
+
+    #[test]
+    fn stall_timeout_parses_and_is_bounded() {
+        assert_eq!(TransportConfig::default().stall_timeout_ms, 20_000);
+        let c = TransportConfig::from_vars(&vars(&[("PRISM_STALL_TIMEOUT_MS", "1500")])).unwrap();
+        assert_eq!(c.stall_timeout_ms, 1500);
+        let e = TransportConfig::from_vars(&vars(&[("PRISM_STALL_TIMEOUT_MS", "0")])).unwrap_err().to_string();
+        assert_eq!(e, "PRISM_STALL_TIMEOUT_MS=0: must be between 10 and 3600000");
     }
 
     #[test]

@@ -10,14 +10,23 @@
 //! `64..72` the connect state key (0 until `connect` first runs; NCCL passes the same handle on every
 //! retry, so the state of a connect in progress is found through it).
 //!
-//! HELLO (connect → listener) and its reply have one layout (128 bytes, big-endian): `0..4` magic,
+//! HELLO (connect → listener) and its reply have one layout (144 bytes, big-endian): `0..4` magic,
 //! `4` version, `5` status (0 = ok), `6` number of rails, `7` backend (0 = UDP, 1 = verbs), `8..16`
 //! listen nonce, `16..24` the sender's connection token, `24..28` the sender's topology host id,
-//! `28..32` length of the block that follows the 128 bytes (0 on UDP, at most 1 MiB), `32..128` up to
-//! 16 rails as (IPv4, UDP port). Rails pair by index (rail r talks to the peer's rail r), as in
-//! rail-optimised fabrics. On verbs the block after the 128 bytes carries, per rail, the GID and every
-//! QP's number and first PSN (`vcomm::encode_peers`); both ends create their QPs before they write
-//! their HELLO and connect them once they have read the peer's.
+//! `28..32` length of the block that follows the 144 bytes (0 on UDP, at most 1 MiB), `32..40` echo
+//! (in a reply: the token of the HELLO it answers; 0 in a HELLO), `40` kind (1 = HELLO, 2 = reply),
+//! `41..48` zero, `48..144` up to 16 rails as (IPv4, UDP port). Rails pair by index (rail r talks to
+//! the peer's rail r), as in rail-optimised fabrics.
+//!
+//! Both ends prove whom they talk to: the listener takes only a HELLO with its nonce, the connector
+//! only a reply with that nonce that echoes its token. A connect retried against a listener that is
+//! gone can be connected by the kernel to itself (the ephemeral source port is the closed listener's
+//! port: TCP simultaneous open); that socket is dropped and the connect retried, and if it ever
+//! got that far the connector would read its own HELLO, which is not a reply.
+//!
+//! On verbs the block after the 144 bytes carries, per rail, the GID and every QP's number and first
+//! PSN (`vcomm::encode_peers`); both ends create their QPs before they write their HELLO and connect
+//! them once they have read the peer's.
 
 use std::collections::HashMap;
 use std::io::{self, Read, Write};
@@ -44,12 +53,17 @@ use crate::proto::{Connection, ProtoConfig};
 use crate::wire;
 
 const MAGIC: &[u8; 4] = b"PRSM";
-const VERSION: u8 = 3;
-const HELLO_LEN: usize = 128;
+const VERSION: u8 = 4;
+const HELLO_LEN: usize = 144;
 /// Largest verbs block after a HELLO.
 const MAX_EXT: usize = 1 << 20;
 const MAX_RAILS: usize = 16;
-const RAILS_OFF: usize = 32;
+const RAILS_OFF: usize = 48;
+const ECHO_OFF: usize = 32;
+const KIND_OFF: usize = 40;
+/// `kind` of a HELLO (connect → listener) and of its reply.
+const KIND_HELLO: u8 = 1;
+const KIND_REPLY: u8 = 2;
 const STAGE_OFF: usize = 64;
 
 /// State every comm shares: configuration, clock, rails, statistics of closed comms.
@@ -133,8 +147,9 @@ impl NetInner {
         VerbsComm::create(&devs, self.cfg.paths, self.cfg.qp == QpType::Rc, token, self.proto.max_payload, connector).map(Some)
     }
 
-    /// Our half of a handshake message: rails, token, host id, and the verbs block if any.
-    fn hello(&self, status: u8, nonce: u64, token: u64, verbs: Option<&VerbsComm>) -> Vec<u8> {
+    /// Our half of a handshake message: rails, token, host id, and the verbs block if any; `echo` is
+    /// the token of the HELLO a reply answers.
+    fn hello(&self, kind: u8, status: u8, nonce: u64, token: u64, echo: u64, verbs: Option<&VerbsComm>) -> Vec<u8> {
         let ext = verbs.map(|v| encode_peers(&v.local())).unwrap_or_default();
         let mut m = vec![0u8; HELLO_LEN];
         m[0..4].copy_from_slice(MAGIC);
@@ -146,6 +161,8 @@ impl NetInner {
         m[8..16].copy_from_slice(&nonce.to_be_bytes());
         m[16..24].copy_from_slice(&token.to_be_bytes());
         m[24..28].copy_from_slice(&self.host_id.to_be_bytes());
+        m[ECHO_OFF..ECHO_OFF + 8].copy_from_slice(&echo.to_be_bytes());
+        m[KIND_OFF] = kind;
         for (i, r) in self.rails.iter().enumerate() {
             let o = RAILS_OFF + 6 * i;
             m[o..o + 4].copy_from_slice(&r.addr.octets());
@@ -175,6 +192,8 @@ impl NetInner {
 
 /// The peer's half of a handshake, checked.
 struct Hello {
+    kind: u8,
+    echo: u64,
     status: u8,
     backend: u8,
     ext_len: usize,
@@ -208,7 +227,12 @@ fn parse_hello(m: &[u8]) -> Result<Hello, TransportError> {
     if ext_len > MAX_EXT || m[7] > 1 {
         return Err(TransportError::ConnectionFailed(format!("handshake announces backend {} and a {ext_len}-byte block", m[7])));
     }
+    if m[KIND_OFF] != KIND_HELLO && m[KIND_OFF] != KIND_REPLY {
+        return Err(TransportError::ConnectionFailed(format!("handshake message of unknown kind {}", m[KIND_OFF])));
+    }
     Ok(Hello {
+        kind: m[KIND_OFF],
+        echo: u64::from_be_bytes(m[ECHO_OFF..ECHO_OFF + 8].try_into().expect("8 bytes")),
         status: m[5],
         backend: m[7],
         ext_len,
@@ -242,6 +266,12 @@ struct PendingConnect {
     sock: Socket,
     dev: usize,
     token: u64,
+    /// The listener's nonce from the handle: its reply must carry it.
+    nonce: u64,
+    /// Why the last attempt did not get through (for the timeout's error).
+    last_failure: Option<&'static str>,
+    /// Attempts the kernel connected to themselves.
+    self_connects: u32,
     out: Vec<u8>,
     inp: Vec<u8>,
     stage: Stage,
@@ -367,6 +397,7 @@ impl Net {
                 .min((cfg.window_pkts / 2).max(3)),
             rto_min_us: cfg.rto_min_us,
             peer_timeout_us: cfg.peer_timeout_ms * 1000,
+            stall_timeout_us: cfg.stall_timeout_ms * 1000,
             ..ProtoConfig::default()
         };
         tracing::info!("load balancing: {} (host id {host_id})", lb.describe());
@@ -464,7 +495,7 @@ impl Net {
             let token = new_token();
             let nonce = u64::from_be_bytes(handle[12..20].try_into().expect("8 bytes"));
             let verbs = self.inner.verbs_comm(token, true)?;
-            let out = self.inner.hello(0, nonce, token, verbs.as_ref());
+            let out = self.inner.hello(KIND_HELLO, 0, nonce, token, 0, verbs.as_ref());
             let sock = start_tcp_connect(target, rail.addr)?;
             let key = self.next_stage.fetch_add(1, Ordering::Relaxed);
             handle[STAGE_OFF..STAGE_OFF + 8].copy_from_slice(&key.to_be_bytes());
@@ -474,6 +505,9 @@ impl Net {
                     sock,
                     dev,
                     token,
+                    nonce,
+                    last_failure: None,
+                    self_connects: 0,
                     out,
                     inp: vec![0; HELLO_LEN],
                     stage: Stage::Connecting,
@@ -490,7 +524,11 @@ impl Net {
             Ok(None) => {
                 let ms = pc.started.elapsed().as_millis() as u64;
                 if ms > self.inner.cfg.connect_timeout_ms {
-                    let peer = pc.target.to_string();
+                    let peer = match (pc.last_failure, pc.self_connects) {
+                        (Some(why), 0) => format!("{} (last attempt: {why})", pc.target),
+                        (Some(why), n) => format!("{} (last attempt: {why}; {n} attempt(s) connected to themselves)", pc.target),
+                        (None, _) => pc.target.to_string(),
+                    };
                     pending.remove(&key);
                     handle[STAGE_OFF..STAGE_OFF + 8].fill(0);
                     return Err(TransportError::HandshakeTimeout { peer, ms });
@@ -517,12 +555,17 @@ impl Net {
                     if let Some(e) = pc.sock.take_error().map_err(io_err("TCP connect"))? {
                         if e.kind() == io::ErrorKind::ConnectionRefused {
                             // The listener may not be up yet on a slow peer: retry until the timeout.
-                            pc.sock = start_tcp_connect(pc.target, self.inner.rails[pc.dev].addr)?;
-                            return Ok(None);
+                            return self.retry(pc, "connection refused (no listener on that port: not up yet, or gone)");
                         }
                         return Err(TransportError::Io { what: format!("TCP connect to {}", pc.target), source: e });
                     }
                     match pc.sock.peer_addr() {
+                        Ok(peer) if is_self_connected(&pc.sock, &peer) => {
+                            // The kernel connected the retried socket to itself: nobody listens there.
+                            tracing::debug!(target = %pc.target, "TCP connect reached itself; retrying");
+                            pc.self_connects += 1;
+                            return self.retry(pc, "the socket connected to itself (no listener on that port any more)");
+                        }
                         Ok(_) => pc.stage = Stage::Writing(0),
                         Err(_) => return Ok(None),
                     }
@@ -548,7 +591,7 @@ impl Net {
                             pc.inp.resize(HELLO_LEN + h.ext_len, 0);
                         }
                         if got == pc.inp.len() {
-                            return self.finish_connect(pc).map(Some);
+                            return self.finish_connect(pc);
                         }
                         pc.stage = Stage::Reading(got);
                     }
@@ -559,10 +602,33 @@ impl Net {
         }
     }
 
-    fn finish_connect(&self, pc: &mut PendingConnect) -> Result<SendComm, TransportError> {
+    /// Start the TCP connect again, remembering why the last attempt failed.
+    fn retry(&self, pc: &mut PendingConnect, why: &'static str) -> Result<Option<SendComm>, TransportError> {
+        pc.last_failure = Some(why);
+        pc.sock = start_tcp_connect(pc.target, self.inner.rails[pc.dev].addr)?;
+        pc.stage = Stage::Connecting;
+        pc.inp = vec![0; HELLO_LEN];
+        Ok(None)
+    }
+
+    fn finish_connect(&self, pc: &mut PendingConnect) -> Result<Option<SendComm>, TransportError> {
         let h = parse_hello(&pc.inp)?;
+        if h.kind == KIND_HELLO && h.token == pc.token {
+            // Our own HELLO came back: the socket talks to itself.
+            pc.self_connects += 1;
+            return self.retry(pc, "the handshake read back its own HELLO (the socket connected to itself)");
+        }
+        if h.kind != KIND_REPLY {
+            return Err(TransportError::ConnectionFailed(format!("{} answered the handshake with a HELLO, not a reply", pc.target)));
+        }
         if h.status != 0 {
             return Err(TransportError::ConnectionFailed(format!("{} refused the handshake (status {})", pc.target, h.status)));
+        }
+        if h.nonce != pc.nonce || h.echo != pc.token {
+            return Err(TransportError::ConnectionFailed(format!(
+                "{} answered for another listener or another connect (nonce {:#x}, echo {:#x}; expected {:#x}, {:#x})",
+                pc.target, h.nonce, h.echo, pc.nonce, pc.token
+            )));
         }
         self.inner.join(&h, &pc.inp[HELLO_LEN..], &mut pc.verbs)?;
         let home = pc.dev as u16;
@@ -571,7 +637,7 @@ impl Net {
         let conn = self.inner.connection(pc.token, h.token, h.host, home, &plans, &rate);
         tracing::info!(rail = %self.inner.rails[pc.dev].info.name, peer = %h.rails[0], rails = h.rails.len(), "send comm connected");
         let core = CommCore::new(self.inner.clone(), conn, pc.token, h.rails, h.host, home, plans, rate, "send", pc.verbs.take());
-        Ok(SendComm::new(self.inner.adopt(core)))
+        Ok(Some(SendComm::new(self.inner.adopt(core))))
     }
 
     /// Statistics of every comm closed so far plus per-rail counters, as JSON.
@@ -651,6 +717,12 @@ fn parse_handle(h: &[u8; HANDLE_LEN]) -> Result<SocketAddrV4, TransportError> {
         return Err(TransportError::BadHandle("TCP port 0".into()));
     }
     Ok(SocketAddrV4::new(Ipv4Addr::new(h[8], h[9], h[10], h[11]), port))
+}
+
+/// A TCP socket whose peer is its own address: the kernel connected a retried connect to itself
+/// (simultaneous open on a port nobody listens on any more).
+fn is_self_connected(sock: &Socket, peer: &SockAddr) -> bool {
+    sock.local_addr().ok().and_then(|a| a.as_socket()) == peer.as_socket()
 }
 
 fn start_tcp_connect(target: SocketAddrV4, local: Ipv4Addr) -> Result<Socket, TransportError> {
@@ -734,16 +806,16 @@ impl Listener {
                 return Ok(None);
             }
             let h = match parse_hello(&p.inp) {
-                Ok(h) if h.nonce == self.nonce => h,
+                Ok(h) if h.kind == KIND_HELLO && h.nonce == self.nonce => h,
                 Ok(_) | Err(_) => {
-                    let _ = (&p.sock).write(&self.inner.hello(1, 0, 0, None)[..HELLO_LEN]);
+                    let _ = (&p.sock).write(&self.inner.hello(KIND_REPLY, 1, 0, 0, 0, None)[..HELLO_LEN]);
                     return Err(TransportError::BadHandle(format!("HELLO from {} does not match this listener", p.from)));
                 }
             };
             let token = new_token();
             let mut verbs = self.inner.verbs_comm(token, false)?;
             self.inner.join(&h, &p.inp[HELLO_LEN..], &mut verbs)?;
-            let reply = self.inner.hello(0, self.nonce, token, verbs.as_ref());
+            let reply = self.inner.hello(KIND_REPLY, 0, self.nonce, token, h.token, verbs.as_ref());
             // Registered before the reply leaves, so the sender's first datagram finds its comm.
             let plans = Plans::default();
             let rate: SharedRate = Arc::new(Mutex::new(self.inner.lb_rt.rate_controller()));
@@ -763,5 +835,28 @@ impl Listener {
         let (_, _, comm) = p.reply.take().expect("checked above");
         tracing::info!(rail = %self.rail.info.name, from = %p.from, "recv comm accepted");
         Ok(Some(comm))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A socket bound to 127.0.0.1:P that connects to 127.0.0.1:P (nobody listening there) is
+    /// connected by the kernel to itself: what a retried connect to a closed listener's port can get.
+    #[test]
+    fn a_socket_connected_to_itself_is_recognised() {
+        let sock = Socket::new(Domain::IPV4, Type::STREAM, Some(Protocol::TCP)).unwrap();
+        sock.bind(&SockAddr::from(SocketAddrV4::new(Ipv4Addr::LOCALHOST, 0))).unwrap();
+        let me = sock.local_addr().unwrap();
+        sock.connect(&me).expect("simultaneous open with itself");
+        let peer = sock.peer_addr().unwrap();
+        assert_eq!(peer.as_socket(), me.as_socket());
+        assert!(is_self_connected(&sock, &peer));
+
+        let lis = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let other = Socket::new(Domain::IPV4, Type::STREAM, Some(Protocol::TCP)).unwrap();
+        other.connect(&SockAddr::from(lis.local_addr().unwrap())).unwrap();
+        assert!(!is_self_connected(&other, &other.peer_addr().unwrap()));
     }
 }

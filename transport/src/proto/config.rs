@@ -31,6 +31,10 @@ pub struct ProtoConfig {
     pub peer_timeout_us: u64,
     /// A keepalive PING goes out after this long without hearing from the peer while work is outstanding.
     pub keepalive_us: u64,
+    /// Outstanding requests fail after this long without progress while the peer is heard (alive but
+    /// stuck): the oldest unacknowledged DATA packet not acknowledged, or a receive that got part of
+    /// its message and no new data since. Waiting for the peer to post is not a stall.
+    pub stall_timeout_us: u64,
     /// The receiver acknowledges at least every this many DATA packets...
     pub sack_every_pkts: u32,
     /// ... or this long after the first unacknowledged one.
@@ -51,6 +55,7 @@ impl Default for ProtoConfig {
             path_revive_us: 100_000,
             peer_timeout_us: 10_000_000,
             keepalive_us: 100_000,
+            stall_timeout_us: 20_000_000,
             sack_every_pkts: 8,
             sack_delay_us: 50,
         }
@@ -73,6 +78,7 @@ impl ProtoConfig {
         c.path_revive_us = c.path_revive_us.max(1);
         c.peer_timeout_us = c.peer_timeout_us.max(1);
         c.keepalive_us = c.keepalive_us.max(1);
+        c.stall_timeout_us = c.stall_timeout_us.max(1);
         c.sack_every_pkts = c.sack_every_pkts.max(1);
         // Compared field by field: formatting both (as before) cost more than the rest of making a
         // connection, which simulations with tens of thousands of connections felt.
@@ -111,6 +117,7 @@ mod tests {
             path_revive_us: 0,
             peer_timeout_us: 0,
             keepalive_us: 0,
+            stall_timeout_us: 0,
             sack_every_pkts: 0,
             sack_delay_us: 0,
         };

@@ -363,6 +363,28 @@ impl Connection {
         Some((base, base.saturating_add(self.cfg.peer_timeout_us)))
     }
 
+    /// When outstanding work fails for lack of progress although the peer is heard, and why:
+    /// (last progress, deadline, reason). The sender makes no progress while its oldest unacknowledged
+    /// DATA packet stays so, the receiver while a receive that got part of its message gets no new
+    /// DATA. Waiting for the peer to post (no CTS yet, no first packet yet) is not a stall. Armed only
+    /// if the peer was heard since the last progress: a silent peer is the peer timeout's business.
+    fn stall_deadline(&self) -> Option<(Micros, Micros, &'static str)> {
+        self.work_since?;
+        let tx = self.tx.unacked_since().map(|t| (t, "DATA sent to the peer stays unacknowledged"));
+        let rx = self.rx.starved_since().map(|t| (t, "a receive got part of its message and no new data since"));
+        let (base, reason) = match (tx, rx) {
+            (Some(a), Some(b)) => {
+                if b.0 < a.0 {
+                    b
+                } else {
+                    a
+                }
+            }
+            (a, b) => a.or(b)?,
+        };
+        (self.last_heard > base).then(|| (base, base.saturating_add(self.cfg.stall_timeout_us), reason))
+    }
+
     fn keepalive_deadline(&self) -> Option<Micros> {
         let since = self.work_since?;
         let base = since.max(self.last_heard).max(self.last_ping_at.unwrap_or(0));
@@ -419,7 +441,7 @@ impl Connection {
     }
 
     /// Run every timer that expired by `now` (retransmission, delayed SACK, CTS, keepalive, path
-    /// probes, peer timeout). Calling it early is harmless.
+    /// probes, peer timeout, stall watchdog). Calling it early is harmless.
     pub fn handle_timeout(&mut self, now: Micros) {
         let now = self.clock(now);
         if !matches!(self.life, Life::Open) {
@@ -430,6 +452,14 @@ impl Connection {
                 let silent_ms = (now - base) / 1000;
                 tracing::warn!(peer = self.peer_token, silent_ms, "peer timed out with requests outstanding");
                 self.die(MsgError::PeerTimeout { silent_ms });
+                return;
+            }
+        }
+        if let Some((base, deadline, reason)) = self.stall_deadline() {
+            if now >= deadline {
+                let stalled_ms = (now - base) / 1000;
+                tracing::warn!(peer = self.peer_token, stalled_ms, reason, "no progress while the peer was alive");
+                self.die(MsgError::Stalled { stalled_ms, reason });
                 return;
             }
         }
@@ -452,6 +482,7 @@ impl Connection {
         }
         [
             self.peer_deadline().map(|(_, d)| d),
+            self.stall_deadline().map(|(_, d, _)| d),
             self.keepalive_deadline(),
             self.rto_deadline(),
             self.path_timer_deadline(),
@@ -481,6 +512,7 @@ impl Connection {
         }
         let mut t = self.rto_deadlines.earliest(&self.paths);
         t = min(t, self.peer_deadline().map(|(_, d)| d));
+        t = min(t, self.stall_deadline().map(|(_, d, _)| d));
         t = min(t, self.keepalive_deadline());
         t = min(t, self.sack_deadline());
         t = min(t, self.unacked_cts_deadline());

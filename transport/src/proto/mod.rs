@@ -30,6 +30,8 @@
 //!   [`prism_lb::Feedback`].
 //! - **Liveness.** While requests are outstanding, a PING goes out after `keepalive_us` of silence
 //!   (answered by the peer whatever its state), and `peer_timeout_us` of silence fails everything.
+//!   A peer that answers but lets a request make no progress for `stall_timeout_us` (its oldest DATA
+//!   packet never acknowledged, or a started receive getting no new data) fails everything too.
 //!   `close` sends CLOSE (carrying the receive-side cumulative PSN, so the peer can still complete the
 //!   sends that arrived); the peer then fails what is outstanding with `PeerClosed`.
 
@@ -152,6 +154,16 @@ pub enum MsgError {
     PeerTimeout {
         /// Milliseconds of silence.
         silent_ms: u64,
+    },
+    /// The peer kept answering but a request made no progress for this long: DATA stayed
+    /// unacknowledged or a started receive got no new data (a path that carries control packets but
+    /// not DATA, a peer that rejects what it gets).
+    #[error("no progress for {stalled_ms} ms while the peer was alive: {reason}")]
+    Stalled {
+        /// Milliseconds without progress.
+        stalled_ms: u64,
+        /// What did not move.
+        reason: &'static str,
     },
     /// The peer closed the connection.
     #[error("the peer closed the connection")]

@@ -1,7 +1,7 @@
 //! The receiving half of a connection: grouped receives and their (reliable) CTS, DATA validation and
 //! placement, the out-of-order window and SACK generation.
 
-use std::collections::VecDeque;
+use std::collections::{BTreeMap, VecDeque};
 
 use super::connection::Connection;
 use super::window::{Arrival, PsnWindow};
@@ -15,14 +15,52 @@ enum SubEnd {
     Truncated { send_len: u64 },
 }
 
+/// The byte ranges of one buffer that arrived (start to end), disjoint and merged. An honest sender
+/// sends every byte of a message under one PSN only (a retransmission reuses the PSN), so DATA that
+/// overlaps bytes already received is forged or corrupted: counting it would let a message complete
+/// with a hole, and the real packet's PSN would then be refused forever.
+#[derive(Debug, Clone, Default)]
+struct Ranges(BTreeMap<u64, u64>);
+
+impl Ranges {
+    fn overlaps(&self, start: u64, end: u64) -> bool {
+        start < end && self.0.range(..end).next_back().is_some_and(|(_, &e)| e > start)
+    }
+
+    /// Add a range that `overlaps` said is new.
+    fn insert(&mut self, start: u64, end: u64) {
+        if start >= end {
+            return;
+        }
+        let mut start = start;
+        if let Some((&s, &e)) = self.0.range(..=start).next_back() {
+            if e == start {
+                self.0.remove(&s);
+                start = s;
+            }
+        }
+        let end = self.0.remove(&end).unwrap_or(end);
+        self.0.insert(start, end);
+    }
+}
+
 /// One buffer of a grouped receive.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 struct RecvSub {
     spec: RecvSpec,
     /// Length of the send that matched this buffer, learnt from its first packet.
     total: Option<u64>,
+    /// Bytes received: the total length of `got`.
     received: u64,
+    got: Ranges,
     end: SubEnd,
+}
+
+impl RecvSub {
+    /// Its message began to arrive and has not finished: the sender is sending it now.
+    fn started(&self) -> bool {
+        self.total.is_some() && self.end == SubEnd::Open
+    }
 }
 
 /// A posted grouped receive and the state of its CTS.
@@ -54,6 +92,10 @@ pub(crate) struct RxState {
     congested: bool,
     /// The trigger was a retransmission of a packet that had arrived.
     spurious: bool,
+    /// Buffers whose message began to arrive and has not finished.
+    started_subs: usize,
+    /// When DATA was last accepted into a receive.
+    data_at: Micros,
 }
 
 impl RxState {
@@ -70,7 +112,15 @@ impl RxState {
             trigger: None,
             congested: false,
             spurious: false,
+            started_subs: 0,
+            data_at: 0,
         }
+    }
+
+    /// Since when a receive that got part of its message has had no new DATA (None: no message is
+    /// half received). The stall watchdog's receive-side measure of progress.
+    pub(crate) fn starved_since(&self) -> Option<Micros> {
+        (self.started_subs > 0).then_some(self.data_at)
     }
 
     /// Grouped receives posted and not completed.
@@ -83,6 +133,7 @@ impl RxState {
         self.cts_queue.clear();
         self.sack_due = false;
         self.sack_deadline = None;
+        self.started_subs = 0;
         self.groups.drain(..).map(|g| g.id).collect()
     }
 
@@ -102,7 +153,8 @@ impl Connection {
         let rx = &mut self.rx;
         let seq = rx.next_cts_seq;
         rx.next_cts_seq += 1;
-        let subs = bufs.iter().map(|&spec| RecvSub { spec, total: None, received: 0, end: SubEnd::Open }).collect();
+        let subs =
+            bufs.iter().map(|&spec| RecvSub { spec, total: None, received: 0, got: Ranges::default(), end: SubEnd::Open }).collect();
         rx.groups.push_back(RecvGroup { id, seq, subs, cts_sent_at: None, cts_retries: 0, cts_queued: true });
         rx.cts_queue.push_back(seq);
     }
@@ -234,6 +286,7 @@ impl Connection {
         if !self.accept_data(d, payload, placer) {
             return;
         }
+        self.rx.data_at = now;
         let end_before = self.rx.window.end();
         self.rx.window.insert(d.psn);
         let rx = &mut self.rx;
@@ -267,6 +320,7 @@ impl Connection {
             self.stats.dropped.unknown_msg += 1;
             return false;
         }
+        let was_started = sub.started();
         let size = sub.spec.len;
         if d.trunc {
             if d.total_len <= size {
@@ -284,15 +338,26 @@ impl Connection {
                 tracing::debug!(offset = d.offset, len = d.len, total = d.total_len, posted = size, "DATA outside the posted buffer");
                 return false;
             }
+            if sub.got.overlaps(d.offset, end) {
+                self.stats.dropped.overlapping += 1;
+                tracing::debug!(psn = d.psn, offset = d.offset, len = d.len, "DATA overlaps bytes already received: forged or corrupted");
+                return false;
+            }
             if let Some(p) = payload.filter(|p| !p.is_empty()) {
                 placer.place(group.id, d.sub as usize, d.offset, p);
             }
             self.stats.data_bytes_placed += u64::from(d.len);
             sub.total = Some(d.total_len);
             sub.received += u64::from(d.len);
+            sub.got.insert(d.offset, end);
             if sub.received == d.total_len {
                 sub.end = SubEnd::Done;
             }
+        }
+        match (was_started, sub.started()) {
+            (false, true) => self.rx.started_subs += 1,
+            (true, false) => self.rx.started_subs -= 1,
+            _ => {}
         }
         if sub.end != SubEnd::Open && group.subs.iter().all(|s| s.end != SubEnd::Open) {
             let group = self.rx.groups.remove(gi).expect("index from group_index");

@@ -105,6 +105,9 @@ pub(crate) struct TxState {
     next_psn: u64,
     /// Oldest PSN not yet acknowledged; `ring[i]` is PSN `snd_una + i`.
     snd_una: u64,
+    /// When `snd_una` last moved, or the first packet went out with nothing unacknowledged: the
+    /// stall watchdog's measure of progress.
+    una_moved_at: Micros,
     ring: VecDeque<SentPkt>,
     next_tx_seq: u64,
     /// (tx_seq, psn) of every transmission in sending order, cleaned lazily; its front is the oldest
@@ -157,6 +160,7 @@ impl TxState {
         Self {
             next_psn: 0,
             snd_una: 0,
+            una_moved_at: 0,
             ring: VecDeque::new(),
             next_tx_seq: 0,
             tx_order: VecDeque::new(),
@@ -194,6 +198,12 @@ impl TxState {
     /// Next PSN to be assigned (every PSN below was sent at least once).
     pub(crate) fn next_psn(&self) -> u64 {
         self.next_psn
+    }
+
+    /// Since when the oldest unacknowledged DATA packet has been waiting for its acknowledgement
+    /// (None: everything sent was acknowledged). A send waiting for a CTS has nothing unacknowledged.
+    pub(crate) fn unacked_since(&self) -> Option<Micros> {
+        (self.snd_una < self.next_psn).then_some(self.una_moved_at)
     }
 
     /// Forget everything in flight (the connection died); returns the sends that were outstanding.
@@ -412,9 +422,13 @@ impl Connection {
     /// After acknowledgements: release the acknowledged prefix and look for reorder losses.
     fn after_acks(&mut self, now: Micros) {
         let tx = &mut self.tx;
+        let una = tx.snd_una;
         while tx.ring.front().is_some_and(|r| r.state == PktState::Sacked) {
             tx.ring.pop_front();
             tx.snd_una += 1;
+        }
+        if tx.snd_una != una {
+            tx.una_moved_at = now;
         }
         // A transmission is lost once `reorder_threshold` later transmissions were acknowledged; for
         // first copies that is the PSN distance of the threshold rule, and it stays right for
@@ -741,6 +755,9 @@ impl Connection {
             }
         }
         let psn = self.tx.next_psn;
+        if self.tx.snd_una == psn {
+            self.tx.una_moved_at = now;
+        }
         self.tx.next_psn += 1;
         self.tx.ring.push_back(rec);
         Some(self.transmit_data(psn, false, now, src, out))

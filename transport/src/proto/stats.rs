@@ -83,6 +83,8 @@ pub struct DropStats {
     pub unknown_msg: u64,
     /// DATA too far above the cumulative PSN for the out-of-order window.
     pub beyond_window: u64,
+    /// DATA for bytes of a buffer that already arrived under another PSN (forged or corrupted).
+    pub overlapping: u64,
     /// Arrived after the connection died or was closed.
     pub after_close: u64,
 }
@@ -109,6 +111,7 @@ impl DropStats {
             + self.malformed
             + self.unknown_msg
             + self.beyond_window
+            + self.overlapping
             + self.after_close
     }
 }
