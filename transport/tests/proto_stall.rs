@@ -17,7 +17,8 @@ use rand::{rngs::SmallRng, Rng, SeedableRng};
 const A: usize = 0;
 const B: usize = 1;
 const TOKENS: [u64; 2] = [0x5e4d_0000_0000_00a1, 0x5e4d_0000_0000_00b2];
-const PAYLOAD: usize = 1000;
+/// A whole number of 128-byte lines, as proto rounds every payload (NCCL LL/LL128).
+const PAYLOAD: usize = 1024;
 const STALL_US: Micros = 2_000_000;
 
 fn pattern(off: u64) -> u8 {
@@ -186,13 +187,13 @@ fn stalled(c: &Completion) -> Option<(u64, &'static str)> {
     }
 }
 
-/// 20 packets of 1000 bytes.
+/// 20 packets of 1024 bytes.
 const LEN: u64 = 20 * PAYLOAD as u64;
 
 #[test]
 fn forged_data_ahead_of_the_sender_fails_the_send_within_the_stall_timeout() {
     // The forged packet takes PSN 20 (one past the message, not sent yet) and claims the message's
-    // first 1000 bytes before the real ones arrive. Before the fix the receiver counted those bytes
+    // first 1024 bytes before the real ones arrive. Before the fix the receiver counted those bytes
     // twice, completed the message with its last packet missing, refused that packet (PSN 19) for a
     // receive no longer outstanding, and the sender retransmitted PSN 19 forever while keepalives kept
     // the peer timeout away. Now the real first packet is refused as overlapping, the sender's oldest
