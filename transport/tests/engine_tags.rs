@@ -169,12 +169,12 @@ fn thirty_two_groups_of_eight_tags_and_256_sends_complete_with_retries() {
     let net = net();
     let groups: Vec<Vec<i32>> = (0..32).map(|_| (0..8).collect()).collect();
     // Tag-major order: all tag-7 sends first, then tag 6, ...: every group waits for its last tag.
-    let sends: Vec<i32> = (0..8).rev().flat_map(|t| std::iter::repeat(t).take(32)).collect();
+    let sends: Vec<i32> = (0..8).rev().flat_map(|t| vec![t; 32]).collect();
     run(&net, &groups, &sends, false);
     run(&net, &groups, &sends, true);
     // 512 sends into 64 groups: beyond 256 sends in flight the engine says "later".
     let groups: Vec<Vec<i32>> = (0..64).map(|_| (0..8).collect()).collect();
-    let sends: Vec<i32> = (0..8).rev().flat_map(|t| std::iter::repeat(t).take(64)).collect();
+    let sends: Vec<i32> = (0..8).rev().flat_map(|t| vec![t; 64]).collect();
     let (send_retries, _) = run(&net, &groups, &sends, true);
     assert!(send_retries > 0, "512 sends posted without a single retry");
 }
