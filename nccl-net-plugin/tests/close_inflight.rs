@@ -183,6 +183,14 @@ fn closing_with_requests_in_flight_after_deregistering_leaves_nothing_behind() {
     }
     assert_back_to("/proc/self/task", threads, "threads left after the rounds on 4 threads");
     assert_back_to("/proc/self/fd", fds, "file descriptors left after the rounds on 4 threads");
+    // On the verbs backend (PRISM_TRANSPORT=verbs, e.g. in the Soft-RoCE guest) every registration is
+    // gone too: NCCL's handles were deregistered and the requests' own references went with their comms.
+    let stats = nccl_net_prism::global::current("test").expect("engine").net.stats_json();
+    let rails = stats["rails"].as_array().expect("rails in the engine's statistics");
+    for r in rails.iter().filter(|r| !r["verbs_device"].is_null()) {
+        assert_eq!(r["verbs_device"]["registrations"], 0, "registrations left on {}", r["name"]);
+    }
+    assert_eq!(stats["comms"].as_array().map(Vec::len), Some(2 * ROUNDS * (1 + THREADS)), "every comm closed");
 
     // SAFETY: the context init returned, finalized once.
     assert_eq!(unsafe { NET.finalize.unwrap()(ctx.ptr()) }, NCCL_SUCCESS);
