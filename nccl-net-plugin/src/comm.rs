@@ -13,7 +13,7 @@ use prism_transport::engine::{Listener, RecvBuf, RecvComm, SendBuf, SendComm};
 use crate::error::PluginError;
 use crate::global::NetState;
 use crate::handle::{Kind, Tagged};
-use crate::requests::{CommKind, RequestPool, RequestToken, POOL_SIZE};
+use crate::requests::{CommKind, RequestPool, RequestToken};
 
 /// A v11/v12 per-communicator context.
 pub struct Context {
@@ -102,11 +102,11 @@ where
     pub fn into_raw(net: Arc<NetState>, engine: E, kind: CommKind) -> *mut c_void {
         let obj = CommObj {
             net,
-            inner: Mutex::new(Inner { engine, pool: RequestPool::new(POOL_SIZE) }),
+            inner: Mutex::new(Inner { engine, pool: RequestPool::new(kind.pool_size()) }),
             tokens: Box::new([]),
         };
         let raw = Tagged::into_raw(obj);
-        let tokens: Box<[Tagged<RequestToken>]> = (0..POOL_SIZE)
+        let tokens: Box<[Tagged<RequestToken>]> = (0..kind.pool_size())
             .map(|i| Tagged::new(RequestToken { comm: raw.cast_const(), kind, index: i as u16 }))
             .collect();
         // SAFETY: `raw` came from Box::into_raw just above and has not been shared yet, so this is the

@@ -1,21 +1,26 @@
 //! Per-comm request pools.
 //!
-//! NCCL needs at least `NCCL_NET_MAX_REQUESTS` (32) requests outstanding per comm; a grouped receive is
-//! one request whatever its `n`. Each comm owns a fixed array of request tokens allocated with the comm,
+//! NCCL needs at least `NCCL_NET_MAX_REQUESTS` (32) requests outstanding per comm, and keeps up to
+//! `maxRecvs` × 32 = 256 sends in flight on a send comm; a grouped receive is one request whatever its `n`. Each comm owns a fixed array of request tokens allocated with the comm,
 //! and the pointer NCCL gets for a request is the address of a token. The token never moves and is never
 //! freed before its comm, so `test` on a request that already completed finds a free slot and reports
 //! it instead of touching freed memory. A full pool is not an error: `isend`/`irecv` then hand NCCL a
 //! NULL request, which means "try again later".
 
-use prism_transport::engine::{ReqId, MAX_REQUESTS};
+use prism_transport::engine::{ReqId, MAX_RECV_REQUESTS, MAX_SEND_REQUESTS};
 
 use crate::handle::Kind;
 
-/// Requests per comm: what the engine can hold, and never fewer than NCCL's 32.
-pub const POOL_SIZE: usize = if MAX_REQUESTS > 32 { MAX_REQUESTS } else { 32 };
+/// Requests per send comm: what the engine can hold, and never fewer than NCCL's 32.
+pub const SEND_POOL_SIZE: usize = if MAX_SEND_REQUESTS > 32 { MAX_SEND_REQUESTS } else { 32 };
+
+/// Requests per receive comm: what the engine can hold, and never fewer than NCCL's 32.
+pub const RECV_POOL_SIZE: usize = if MAX_RECV_REQUESTS > 32 { MAX_RECV_REQUESTS } else { 32 };
 
 // Request indices are u16.
-const _: () = assert!(POOL_SIZE <= 1 << 16);
+const _: () = assert!(SEND_POOL_SIZE <= 1 << 16 && RECV_POOL_SIZE <= 1 << 16);
+// NCCL's IB sender has 256 request slots; Prism takes as many.
+const _: () = assert!(SEND_POOL_SIZE >= 256);
 
 /// Which kind of comm a request belongs to.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -24,6 +29,16 @@ pub enum CommKind {
     Send,
     /// A receive comm.
     Recv,
+}
+
+impl CommKind {
+    /// Requests a comm of this kind holds.
+    pub fn pool_size(self) -> usize {
+        match self {
+            Self::Send => SEND_POOL_SIZE,
+            Self::Recv => RECV_POOL_SIZE,
+        }
+    }
 }
 
 /// What a request pointer points to: where its comm is and which slot of the comm's pool it is.
@@ -112,8 +127,9 @@ mod tests {
     }
 
     #[test]
-    fn the_pool_holds_at_least_nccls_32_requests() {
-        assert!(RequestPool::new(POOL_SIZE).capacity() >= 32);
+    fn the_pools_hold_at_least_nccls_32_requests_and_256_sends() {
+        assert!(RequestPool::new(CommKind::Recv.pool_size()).capacity() >= 32);
+        assert!(RequestPool::new(CommKind::Send.pool_size()).capacity() >= 256);
     }
 
     #[test]

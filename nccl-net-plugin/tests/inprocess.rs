@@ -9,7 +9,7 @@ use std::ptr::null_mut;
 use nccl_net_prism::abi::{PTR_HOST, NCCL_SUCCESS};
 use nccl_net_prism::exports::ncclNetPlugin_v12 as NET;
 use nccl_net_prism::global;
-use nccl_net_prism::requests::POOL_SIZE;
+use nccl_net_prism::requests::SEND_POOL_SIZE as POOL_SIZE;
 use parking_lot::Mutex;
 
 static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
@@ -218,5 +218,56 @@ fn a_memory_handle_covers_only_its_range() {
     // SAFETY: the handle regMr returned, deregistered once.
     assert_eq!(unsafe { NET.dereg_mr.unwrap()(send, mh) }, NCCL_SUCCESS);
     close(send, recv);
+    ctx.finalize();
+}
+
+/// Tests `req` until it is done or fails; the error code (0 if it succeeded).
+fn test_until_done(req: *mut c_void) -> c_int {
+    let start = std::time::Instant::now();
+    loop {
+        let (mut done, mut size) = (0, -1);
+        // SAFETY: a request isend/irecv returned, not yet reported done.
+        let rc = unsafe { NET.test.unwrap()(req, &mut done, &mut size) };
+        if rc != NCCL_SUCCESS || done == 1 {
+            return rc;
+        }
+        assert!(start.elapsed().as_secs() < 30, "request neither done nor failed within 30 s");
+    }
+}
+
+#[test]
+fn posts_after_the_peer_closed_are_accepted_and_fail_in_test() {
+    let _serial = ONE_AT_A_TIME.lock();
+    let ctx = Ctx::init();
+    let msg = vec![3u8; 4096];
+    let mut out = vec![0u8; 4096];
+
+    // The receiver closes: the sender's first post may still be outstanding when the CLOSE arrives,
+    // later ones find the comm dead. Each is a request (rc 0, not NULL) whose test fails.
+    let (send, recv) = connect(&ctx);
+    // SAFETY: a comm accept returned, closed once.
+    assert_eq!(unsafe { NET.close_recv.unwrap()(recv) }, NCCL_SUCCESS);
+    for i in 0..3 {
+        let (rc, req) = isend(send, &msg);
+        assert_eq!(rc, NCCL_SUCCESS, "isend {i} after the peer closed must be accepted");
+        assert!(!req.is_null(), "isend {i} after the peer closed returned no request");
+        assert_ne!(test_until_done(req), NCCL_SUCCESS, "isend {i} to a closed peer reported success");
+    }
+    // SAFETY: as above.
+    assert_eq!(unsafe { NET.close_send.unwrap()(send) }, NCCL_SUCCESS);
+
+    // The sender closes: the same for receives.
+    let (send, recv) = connect(&ctx);
+    // SAFETY: a comm connect returned, closed once.
+    assert_eq!(unsafe { NET.close_send.unwrap()(send) }, NCCL_SUCCESS);
+    for i in 0..3 {
+        let (rc, req) = irecv(recv, &mut out);
+        assert_eq!(rc, NCCL_SUCCESS, "irecv {i} after the peer closed must be accepted");
+        assert!(!req.is_null(), "irecv {i} after the peer closed returned no request");
+        assert_ne!(test_until_done(req), NCCL_SUCCESS, "irecv {i} from a closed peer reported success");
+    }
+    assert!(out.iter().all(|&b| b == 0), "a failed receive wrote its buffer");
+    // SAFETY: as above.
+    assert_eq!(unsafe { NET.close_recv.unwrap()(recv) }, NCCL_SUCCESS);
     ctx.finalize();
 }

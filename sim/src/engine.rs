@@ -28,7 +28,7 @@ use crate::workload::{self, Transfer};
 /// Tokens are `TOKEN_BASE + endpoint index`: the receiving host demultiplexes by the token in the
 /// datagram, as the UDP engine does.
 const TOKEN_BASE: u64 = 0x5052_4953_4d00_0000;
-/// Receives posted ahead per connection (below `proto::MAX_OUTSTANDING`).
+/// Receives posted ahead per connection (below `proto::MAX_OUTSTANDING_RECVS`).
 const RECV_AHEAD: usize = 48;
 /// Sends posted at once per connection.
 const SEND_AHEAD: usize = 48;

@@ -15,7 +15,7 @@ use prism_lb::path::{Ecmp, Spray};
 use prism_lb::PathPolicy;
 use prism_transport::proto::{
     Completion, ConnStats, Connection, Micros, MsgError, MsgId, PathHealth, PayloadSource, Placer, PostError, ProtoConfig,
-    RecvSpec, MAX_OUTSTANDING,
+    RecvSpec, MAX_OUTSTANDING_RECVS, MAX_OUTSTANDING_SENDS,
 };
 use prism_transport::wire::{DataPacket, DataRepr, Header, PacketType, MAX_HEADER_LEN};
 use rand::{rngs::SmallRng, Rng, SeedableRng};
@@ -689,13 +689,16 @@ fn grouped_receive_with_one_oversized_send_fails_and_keeps_the_other_buffer() {
 }
 
 #[test]
-fn more_than_64_outstanding_requests_are_refused_as_full() {
+fn more_outstanding_requests_than_the_limits_are_refused_as_full() {
     let mut sim = Sim::new(1, &ProtoConfig::default(), [Link::default(), Link::default()]);
-    for _ in 0..MAX_OUTSTANDING {
+    for _ in 0..MAX_OUTSTANDING_SENDS {
         sim.ends[A].conn.post_send(1, 0, 0).expect("within the limit");
     }
     assert!(matches!(sim.ends[A].conn.post_send(1, 0, 0), Err(PostError::Full)));
-    assert!(matches!(sim.ends[A].conn.post_recv(&[RecvSpec { len: 1, tag: 0 }], 0), Err(PostError::Full)));
+    for _ in 0..MAX_OUTSTANDING_RECVS {
+        sim.ends[B].conn.post_recv(&[RecvSpec { len: 1, tag: 0 }], 0).expect("within the limit");
+    }
+    assert!(matches!(sim.ends[B].conn.post_recv(&[RecvSpec { len: 1, tag: 0 }], 0), Err(PostError::Full)));
 }
 
 #[test]

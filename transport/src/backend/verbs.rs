@@ -1021,6 +1021,21 @@ mod tests {
     }
 
     #[test]
+    fn deregistering_a_buffer_whose_request_is_in_flight_keeps_the_registration_until_the_request_ends() {
+        // NCCL's regMr, then a request on a buffer inside it (takes its own reference on the covering
+        // registration), then NCCL's deregMr with the request still in flight.
+        let mut c: MrCache<&str> = MrCache::default();
+        c.acquire(0x1000, 0x1000, || Ok::<_, ()>("nccl")).unwrap();
+        let (key, _) = c.covering(0x1100, 0x100).unwrap();
+        c.acquire(key.0, key.1, || Ok::<_, ()>("unused")).unwrap();
+        assert_eq!(c.release(0x1000, 0x1000), None, "the request still holds the registration");
+        assert_eq!(c.refs(0x1000, 0x1000), 1);
+        assert_eq!(c.release(key.0, key.1), Some("nccl"), "the request's end deregisters");
+        assert!(c.is_empty());
+        assert_eq!(c.release(0x1000, 0x1000), None, "a second release is ignored");
+    }
+
+    #[test]
     fn a_failed_registration_leaves_nothing_behind() {
         let mut c: MrCache<u32> = MrCache::default();
         assert!(c.acquire(0x1000, 1, || Err::<u32, _>("EFAULT")).is_err());

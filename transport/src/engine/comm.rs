@@ -11,7 +11,7 @@ use super::planned::{ChunkMap, Plans, SharedRate};
 use super::rail::{Datagram, Inbox};
 use super::vcomm::VerbsComm;
 use super::net::NetInner;
-use super::{RecvBuf, ReqId, SendBuf, TransportError, MAX_RECVS};
+use super::{RecvBuf, ReqId, SendBuf, TransportError, MAX_RECVS, MAX_RECV_REQUESTS, MAX_SEND_REQUESTS};
 use crate::backend::udp::BATCH;
 use crate::proto::{Completion, Connection, MsgError, MsgId, Placer, PayloadSource, PostError, RecvSpec};
 
@@ -20,6 +20,10 @@ const MAX_TX_BATCHES: usize = 64;
 
 /// How often a comm that sends DATA publishes its view of the paths to the shared board.
 const BOARD_EVERY_US: u64 = 10_000;
+
+/// Message ids of requests posted on a dead connection (failed before proto saw them) have this bit
+/// set; proto's own ids count up from 0 and never reach it.
+const DEAD_POST: u64 = 1 << 63;
 
 enum Outcome {
     Sent(u64),
@@ -52,6 +56,8 @@ pub(crate) struct CommCore {
     /// Request ids NCCL holds, and the message each one stands for.
     reqs: HashMap<ReqId, MsgId>,
     next_req: u32,
+    /// Requests posted after the connection died (they fail when tested).
+    dead_posts: u64,
     tx: Vec<Vec<u8>>,
     tx_meta: Vec<(u16, usize)>,
     tx_by_rail: Vec<Vec<(u16, usize)>>,
@@ -139,6 +145,7 @@ impl CommCore {
             done: HashMap::new(),
             reqs: HashMap::new(),
             next_req: 1,
+            dead_posts: 0,
             tx,
             tx_meta: Vec::with_capacity(BATCH),
             tx_by_rail: vec![Vec::with_capacity(BATCH); nrails],
@@ -345,10 +352,23 @@ impl CommCore {
         }
     }
 
-    fn post_error(&self, e: PostError) -> Result<Option<ReqId>, TransportError> {
+    /// What a refused post tells the caller. On a dead connection (the peer closed, timed out or
+    /// died) the post is accepted all the same, as NCCL expects of a plugin that is not out of
+    /// resources: the request fails with the reason when it is tested. `limit` bounds the requests
+    /// outstanding (beyond it: retry later), so a caller that never tests cannot grow memory.
+    fn post_error(&mut self, e: PostError, what: &str, limit: usize) -> Result<Option<ReqId>, TransportError> {
         match e {
             PostError::Full => Ok(None),
-            PostError::Dead(err) => Err(TransportError::ConnectionFailed(err.to_string())),
+            PostError::Dead(err) => {
+                if self.reqs.len() >= limit {
+                    return Ok(None);
+                }
+                tracing::warn!(role = self.role, peer = %self.peer_rails[0], "{what} on a dead connection: accepted, it fails when tested ({err})");
+                let msg = MsgId(DEAD_POST | self.dead_posts);
+                self.dead_posts += 1;
+                self.done.insert(msg, Outcome::Failed(err));
+                Ok(Some(self.new_req(msg)))
+            }
             other => Err(TransportError::InvalidArgument(other.to_string())),
         }
     }
@@ -484,7 +504,8 @@ impl SendComm {
         Self { shared }
     }
 
-    /// Post a send of `buf` with `tag`. `Ok(None)`: too many outstanding, retry later.
+    /// Post a send of `buf` with `tag`. `Ok(None)`: too many outstanding, retry later. On a connection
+    /// whose peer closed or died the send is accepted and its `test` reports why it failed.
     pub fn isend(&mut self, buf: Box<dyn SendBuf>, tag: i32) -> Result<Option<ReqId>, TransportError> {
         let mut core = self.shared.lock();
         let now = core.net.now_us();
@@ -506,7 +527,7 @@ impl SendComm {
             }
             Err(e) => {
                 core.owner_progress();
-                core.post_error(e)
+                core.post_error(e, "isend", MAX_SEND_REQUESTS)
             }
         }
     }
@@ -538,7 +559,8 @@ impl RecvComm {
         Self { shared }
     }
 
-    /// Post a (grouped) receive into `bufs`, each with its tag. `Ok(None)`: retry later.
+    /// Post a (grouped) receive into `bufs`, each with its tag. `Ok(None)`: retry later. On a
+    /// connection whose peer closed or died the receive is accepted and its `test` reports why it failed.
     pub fn irecv(&mut self, bufs: Vec<(Box<dyn RecvBuf>, i32)>) -> Result<Option<ReqId>, TransportError> {
         if bufs.is_empty() || bufs.len() > MAX_RECVS {
             return Err(TransportError::InvalidArgument(format!(
@@ -570,7 +592,7 @@ impl RecvComm {
             }
             Err(e) => {
                 core.owner_progress();
-                core.post_error(e)
+                core.post_error(e, "irecv", MAX_RECV_REQUESTS)
             }
         }
     }

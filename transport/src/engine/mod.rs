@@ -2,15 +2,20 @@
 //!
 //! This is the safe API the plugin's C entry points call. Nothing here blocks: `connect` and `accept`
 //! return `Ok(None)` until the handshake is done, `isend`/`irecv` return `Ok(None)` when the request
-//! cannot be posted yet (NCCL retries), and `test` makes progress on the whole comm.
+//! cannot be posted yet (NCCL retries), and `test` makes progress on the whole comm. A post on a comm
+//! whose peer closed or died is accepted like any other; its `test` reports the failure.
 
 use std::net::IpAddr;
 
 /// Size of the NCCL connection handle (`NCCL_NET_HANDLE_MAXSIZE`).
 pub const HANDLE_LEN: usize = 128;
 
-/// Most requests outstanding per comm (NCCL needs 32; grouped receives count once).
-pub const MAX_REQUESTS: usize = 64;
+/// Most sends outstanding per send comm (NCCL keeps up to `maxRecvs` × 32 = 256 in flight); one more
+/// is "retry later".
+pub const MAX_SEND_REQUESTS: usize = crate::proto::MAX_OUTSTANDING_SENDS;
+
+/// Most grouped receives outstanding per receive comm (NCCL posts up to 32); one more is "retry later".
+pub const MAX_RECV_REQUESTS: usize = crate::proto::MAX_OUTSTANDING_RECVS;
 
 /// Most buffers in one grouped receive (`maxRecvs`).
 pub const MAX_RECVS: usize = 8;

@@ -166,10 +166,20 @@ pub(crate) struct VerbsComm {
 }
 
 impl Drop for VerbsComm {
+    /// The QPs go first, so no WRITE still queued can touch a buffer after its registration is
+    /// released (NCCL may have deregistered and freed it the moment close returns); then every
+    /// registration this comm holds is released, those of requests still in flight and those of sends
+    /// whose last WRITE had not left the send queue (`release_later`) alike.
     fn drop(&mut self) {
-        let msgs: Vec<MsgId> = self.mem.keys().copied().collect();
-        for m in msgs {
-            self.release(m);
+        let devs: Vec<Arc<VerbsDevice>> = self.rails.iter().map(|s| s.device().clone()).collect();
+        self.rails.clear();
+        self.release_later.clear();
+        for (_, mems) in self.mem.drain() {
+            for m in &mems {
+                for (dev, k) in devs.iter().zip(&m.keys) {
+                    dev.release(k.key);
+                }
+            }
         }
     }
 }

@@ -12,8 +12,8 @@ use super::rtt::RttEstimator;
 use super::sender::TxState;
 use super::stats::{ConnStats, PathHealth, PathStats};
 use super::{
-    Completion, Micros, MsgError, MsgId, PayloadSource, Placer, PostError, ProtoConfig, RecvSpec, Transmit, MAX_OUTSTANDING,
-    MAX_RECV_BUFS,
+    Completion, Micros, MsgError, MsgId, PayloadSource, Placer, PostError, ProtoConfig, RecvSpec, Transmit,
+    MAX_OUTSTANDING_RECVS, MAX_OUTSTANDING_SENDS, MAX_RECV_BUFS,
 };
 use crate::wire::{
     ControlKind, ControlPacket, ControlRepr, CtsPacket, CtsRepr, DataPacket, DataRepr, Header, PacketType, SackPacket,
@@ -156,6 +156,9 @@ impl Connection {
     pub fn post_send(&mut self, len: u64, tag: i32, now: Micros) -> Result<MsgId, PostError> {
         let now = self.clock(now);
         self.check_postable()?;
+        if self.tx.open_sends() >= MAX_OUTSTANDING_SENDS {
+            return Err(PostError::Full);
+        }
         let id = self.new_msg_id();
         self.queue_send(id, len, tag);
         self.update_work(now);
@@ -169,6 +172,9 @@ impl Connection {
             return Err(PostError::TooManyBuffers(bufs.len()));
         }
         self.check_postable()?;
+        if self.rx.open_recvs() >= MAX_OUTSTANDING_RECVS {
+            return Err(PostError::Full);
+        }
         let id = self.new_msg_id();
         self.queue_recv(id, bufs);
         self.update_work(now);
@@ -180,9 +186,6 @@ impl Connection {
             Life::Open => {}
             Life::Closed { .. } => return Err(PostError::Dead(MsgError::Closed)),
             Life::Dead(e) => return Err(PostError::Dead(e.clone())),
-        }
-        if self.tx.open_sends() + self.rx.open_recvs() >= MAX_OUTSTANDING {
-            return Err(PostError::Full);
         }
         Ok(())
     }

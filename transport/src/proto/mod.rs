@@ -10,8 +10,9 @@
 //!
 //! How the pieces fit (the packet layouts are in [`crate::wire`]):
 //! - **Matching.** `post_recv` queues a CTS (sequence number, buffer sizes and tags). The sender holds
-//!   CTS in sequence order and puts the oldest unmatched send into the first unmatched buffer with its
-//!   tag of the oldest group, as NCCL does. A send larger than its buffer fails `Truncated` at once and
+//!   CTS in sequence order and puts each send, in posting order, into the first unmatched buffer with
+//!   its tag of the oldest group that has one, as NCCL does; a send no held group has a buffer for
+//!   waits without holding up sends of other tags, and per tag sends fill buffers in posting order. A send larger than its buffer fails `Truncated` at once and
 //!   sends one payload-less TRUNC packet instead, which ends that buffer at the receiver.
 //! - **Reliable control.** Every packet's header carries `cts_ack` (all CTS below it were received), so
 //!   data acknowledges CTS; with nothing else to send the sender answers a CTS with an ACK. The receiver
@@ -52,8 +53,15 @@ pub use stats::{ConnStats, DropStats, PathHealth, PathStats};
 /// The caller's monotonic clock, in microseconds.
 pub type Micros = u64;
 
-/// Most requests (sends plus grouped receives) outstanding on one connection; one more is `Full`.
-pub const MAX_OUTSTANDING: usize = 64;
+/// Most sends outstanding on one connection; one more is `Full`. NCCL keeps up to `maxRecvs` (8) × 32
+/// sends in flight per comm (NCCL's IB sender has 256 request slots).
+pub const MAX_OUTSTANDING_SENDS: usize = 256;
+
+/// Most grouped receives outstanding on one connection; one more is `Full`. NCCL posts up to 32.
+pub const MAX_OUTSTANDING_RECVS: usize = 64;
+
+/// Most requests outstanding on one connection, sends and grouped receives together.
+pub const MAX_OUTSTANDING: usize = MAX_OUTSTANDING_SENDS + MAX_OUTSTANDING_RECVS;
 
 /// Most buffers in one grouped receive.
 pub const MAX_RECV_BUFS: usize = crate::wire::MAX_RECV_BUFS;
@@ -79,8 +87,11 @@ pub struct RecvSpec {
 /// Why a request could not be posted.
 #[derive(Debug, thiserror::Error)]
 pub enum PostError {
-    /// Too many requests are outstanding; retry after one completes.
-    #[error("{MAX_OUTSTANDING} requests already outstanding on this connection; retry after one completes")]
+    /// Too many requests of this kind are outstanding; retry after one completes.
+    #[error(
+        "too many requests outstanding on this connection (at most {MAX_OUTSTANDING_SENDS} sends and \
+         {MAX_OUTSTANDING_RECVS} grouped receives); retry after one completes"
+    )]
     Full,
     /// A grouped receive must have between 1 and [`MAX_RECV_BUFS`] buffers.
     #[error("grouped receive of {0} buffers: must have between 1 and {MAX_RECV_BUFS}")]

@@ -8,7 +8,7 @@ use prism_lb::{Feedback, PathCtx};
 use super::connection::Connection;
 use super::path::TxEntry;
 use super::stats::PathHealth;
-use super::{Completion, Micros, MsgError, MsgId, PayloadSource, Transmit, MAX_OUTSTANDING, OOO_WINDOW_PKTS};
+use super::{Completion, Micros, MsgError, MsgId, PayloadSource, Transmit, MAX_OUTSTANDING_RECVS, OOO_WINDOW_PKTS};
 use crate::wire::{CtsBuf, CtsRepr, DataPacket, DataRepr, SackRepr, DATA_HEADER_LEN, MAX_RECV_BUFS};
 
 /// An RTT this far above the path's base RTT (in addition to doubling it) counts as congestion when
@@ -31,9 +31,9 @@ const LOSS_RUN_DEAD: u32 = 2;
 /// too (explored), so the connection never squeezes itself onto one or two paths.
 const MIN_PROVEN_PATHS: usize = 4;
 
-/// CTS sequence numbers accepted ahead of the next expected one; a receiver never has more than
-/// `MAX_OUTSTANDING` receives posted, so anything further is bogus.
-const CTS_AHEAD: u64 = 2 * MAX_OUTSTANDING as u64;
+/// CTS sequence numbers accepted ahead of the next expected one, and CTS groups held at most; a
+/// receiver never has more than `MAX_OUTSTANDING_RECVS` receives posted, so anything further is bogus.
+const CTS_AHEAD: u64 = 2 * MAX_OUTSTANDING_RECVS as u64;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum PktState {
@@ -93,6 +93,24 @@ struct CtsGroup {
     matched: u8,
 }
 
+impl CtsGroup {
+    /// The first buffer with `tag` not matched yet.
+    fn free_buf(&self, tag: i32) -> Option<usize> {
+        (0..self.n as usize).find(|&i| self.matched & (1 << i) == 0 && self.bufs[i].tag == tag)
+    }
+}
+
+/// What `match_send` did with a send.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Matched {
+    /// No held group has a free buffer with its tag: it waits.
+    No,
+    /// Matched; it stays in `sends` until acknowledged.
+    Yes,
+    /// Matched a buffer too small for it: it failed `Truncated` and left `sends`.
+    Removed,
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum LossCause {
     Reorder,
@@ -124,6 +142,8 @@ pub(crate) struct TxState {
     retx_queue: VecDeque<u64>,
     in_flight: u32,
     sends: VecDeque<SendMsg>,
+    /// Sends in `sends` not matched to a buffer yet.
+    unmatched: usize,
     tx_queue: VecDeque<TxItem>,
     /// Every CTS below this was received (this is the `cts_ack` every outgoing packet carries).
     pub(crate) cts_next: u64,
@@ -171,6 +191,7 @@ impl TxState {
             retx_queue: VecDeque::new(),
             in_flight: 0,
             sends: VecDeque::new(),
+            unmatched: 0,
             tx_queue: VecDeque::new(),
             cts_next: 0,
             cts_ahead: BTreeMap::new(),
@@ -232,10 +253,13 @@ impl Connection {
     /// Queue a send; it goes out once a CTS buffer matches it.
     pub(super) fn queue_send(&mut self, id: MsgId, len: u64, tag: i32) {
         self.tx.sends.push_back(SendMsg { id, len, tag, matched: false, all_sent: false, unacked: 0 });
-        self.try_match();
+        self.tx.unmatched += 1;
+        // Every older send still waiting waits for a tag no held group has a free buffer for (see
+        // `match_send`), so only the new one can match now.
+        self.match_send(self.tx.sends.len() - 1, 0);
     }
 
-    /// A CTS arrived: hold it in sequence order and match sends against it.
+    /// A CTS arrived: hold it in sequence order and match waiting sends against it.
     pub(super) fn on_cts(&mut self, cts: &CtsRepr) {
         self.stats.cts_received += 1;
         let tx = &mut self.tx;
@@ -251,45 +275,69 @@ impl Connection {
         }
         tx.ack_pending = true;
         tx.cts_ahead.entry(cts.cts_seq).or_insert(CtsGroup { seq: cts.cts_seq, n: cts.n, bufs: cts.bufs, matched: 0 });
+        let first_new = tx.cts_next;
         while let Some(g) = tx.cts_ahead.remove(&tx.cts_next) {
             tx.groups.push_back(g);
             tx.cts_next += 1;
         }
-        self.try_match();
+        if tx.cts_next > first_new {
+            self.match_waiting(first_new);
+        }
     }
 
-    /// NCCL's matching: the oldest unmatched send goes into the first unmatched buffer with its tag of
-    /// the oldest CTS group that still has unmatched buffers; if that group has none, the send waits.
-    fn try_match(&mut self) {
-        loop {
-            let tx = &mut self.tx;
-            let Some(group) = tx.groups.front_mut() else { return };
-            let Some(si) = tx.sends.iter().position(|s| !s.matched) else { return };
-            let send = &mut tx.sends[si];
-            let Some(bi) = (0..group.n as usize).find(|&i| group.matched & (1 << i) == 0 && group.bufs[i].tag == send.tag)
-            else {
-                return;
-            };
-            group.matched |= 1 << bi;
-            let buf = group.bufs[bi];
-            let (cts_seq, full) = (group.seq, group.matched.count_ones() == u32::from(group.n));
-            send.matched = true;
-            let (id, len) = (send.id, send.len);
-            if len > buf.size {
-                // The receiver learns of it from a payload-less TRUNC packet; the send fails now.
-                tx.sends.remove(si);
-                tx.tx_queue.push_back(TxItem { msg: id, cts_seq, sub: bi as u8, total: len, next_offset: 0, trunc: true });
-                tracing::debug!(msg = id.0, send_len = len, recv_len = buf.size, "send larger than the matched receive");
-                self.completions.push_back(Completion::Failed {
-                    msg: id,
-                    error: MsgError::Truncated { send_len: len, recv_len: buf.size },
-                });
-            } else {
-                tx.tx_queue.push_back(TxItem { msg: id, cts_seq, sub: bi as u8, total: len, next_offset: 0, trunc: false });
+    /// Match every waiting send, in posting order, against the groups from CTS `from_seq` on (the
+    /// older groups have no free buffer with the tag of any waiting send: see `match_send`).
+    fn match_waiting(&mut self, from_seq: u64) {
+        let (mut si, mut left) = (0, self.tx.unmatched);
+        while left > 0 && si < self.tx.sends.len() {
+            if self.tx.sends[si].matched {
+                si += 1;
+                continue;
             }
-            if full {
-                self.tx.groups.pop_front();
+            left -= 1;
+            if self.match_send(si, from_seq) != Matched::Removed {
+                si += 1;
             }
+        }
+    }
+
+    /// NCCL's matching: send `si` goes into the first free buffer with its tag of the oldest held CTS
+    /// group (from CTS `from_seq` on) that has one; a group is let go once all its buffers are matched.
+    /// A send without such a buffer waits, and sends of other tags go on past it.
+    ///
+    /// Sends are matched in posting order and a buffer, once matched, stays so: per tag, sends fill the
+    /// buffers of that tag in posting order, and while a send of tag t waits no held group has a free
+    /// t buffer. That invariant is why a new send, or a new CTS, can be matched on its own.
+    fn match_send(&mut self, si: usize, from_seq: u64) -> Matched {
+        let tx = &mut self.tx;
+        let tag = tx.sends[si].tag;
+        let first = tx.groups.partition_point(|g| g.seq < from_seq);
+        let found = tx.groups.range(first..).enumerate().find_map(|(i, g)| g.free_buf(tag).map(|b| (first + i, b)));
+        let Some((gi, bi)) = found else { return Matched::No };
+        let group = &mut tx.groups[gi];
+        group.matched |= 1 << bi;
+        let buf = group.bufs[bi];
+        let cts_seq = group.seq;
+        if group.matched.count_ones() == u32::from(group.n) {
+            tx.groups.remove(gi);
+        }
+        tx.unmatched -= 1;
+        let send = &mut tx.sends[si];
+        send.matched = true;
+        let (id, len) = (send.id, send.len);
+        if len > buf.size {
+            // The receiver learns of it from a payload-less TRUNC packet; the send fails now.
+            tx.sends.remove(si);
+            tx.tx_queue.push_back(TxItem { msg: id, cts_seq, sub: bi as u8, total: len, next_offset: 0, trunc: true });
+            tracing::debug!(msg = id.0, send_len = len, recv_len = buf.size, "send larger than the matched receive");
+            self.completions.push_back(Completion::Failed {
+                msg: id,
+                error: MsgError::Truncated { send_len: len, recv_len: buf.size },
+            });
+            Matched::Removed
+        } else {
+            tx.tx_queue.push_back(TxItem { msg: id, cts_seq, sub: bi as u8, total: len, next_offset: 0, trunc: false });
+            Matched::Yes
         }
     }
 
@@ -885,4 +933,71 @@ pub(super) struct Echo {
     ts_us: u32,
     rtt_us: u32,
     congested: bool,
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::BTreeMap;
+
+    use prism_lb::path::Spray;
+    use rand::{rngs::SmallRng, Rng, SeedableRng};
+
+    use super::*;
+    use crate::proto::ProtoConfig;
+    use crate::wire::CtsBuf;
+
+    /// Never an unmatched send of tag t while a held group has a free t buffer.
+    fn assert_invariant(c: &Connection, step: usize) {
+        for s in c.tx.sends.iter().filter(|s| !s.matched) {
+            for g in &c.tx.groups {
+                assert!(g.free_buf(s.tag).is_none(), "step {step}: send {:?} (tag {}) waits while CTS {} has a free buffer for it", s.id, s.tag, g.seq);
+            }
+        }
+        assert_eq!(c.tx.unmatched, c.tx.sends.iter().filter(|s| !s.matched).count(), "step {step}: unmatched count");
+        assert!(c.tx.groups.iter().all(|g| g.matched.count_ones() < u32::from(g.n)), "step {step}: a full group is still held");
+        assert!(c.tx.groups.iter().zip(c.tx.groups.iter().skip(1)).all(|(a, b)| a.seq < b.seq), "step {step}: groups out of order");
+    }
+
+    #[test]
+    fn matching_keeps_its_invariant_and_per_tag_order_under_random_posts_and_cts() {
+        for seed in 0..200u64 {
+            let mut rng = SmallRng::seed_from_u64(seed);
+            let mut c = Connection::new(ProtoConfig::default(), 1, 2, Box::new(Spray::new(seed)), 0);
+            let ntags = rng.gen_range(1..=6);
+            let mut next_seq = 0u64;
+            // CTS arrive out of order: a few are held back and delivered later.
+            let mut held_back: Vec<CtsRepr> = Vec::new();
+            for step in 0..400 {
+                match rng.gen_range(0..3) {
+                    0 if c.tx.open_sends() < MAX_OUTSTANDING_RECVS * 4 => {
+                        c.post_send(rng.gen_range(0..100), rng.gen_range(0..ntags), 0).expect("post");
+                    }
+                    1 if next_seq < CTS_AHEAD / 2 => {
+                        let bufs: Vec<CtsBuf> =
+                            (0..rng.gen_range(1..=8)).map(|_| CtsBuf { size: 100, tag: rng.gen_range(0..ntags) }).collect();
+                        held_back.push(CtsRepr::new(2, 0, next_seq, &bufs).expect("cts"));
+                        next_seq += 1;
+                    }
+                    _ if !held_back.is_empty() => {
+                        let cts = held_back.swap_remove(rng.gen_range(0..held_back.len()));
+                        c.on_cts(&cts);
+                    }
+                    _ => {}
+                }
+                assert_invariant(&c, step);
+            }
+            // Per tag, the sends matched buffers in posting order: (CTS, buffer) grows with the send id.
+            let mut last: BTreeMap<i32, (MsgId, u64, u8)> = BTreeMap::new();
+            let tags: BTreeMap<MsgId, i32> = c.tx.sends.iter().map(|s| (s.id, s.tag)).collect();
+            let mut items: Vec<&TxItem> = c.tx.tx_queue.iter().collect();
+            items.sort_by_key(|i| i.msg);
+            for it in items {
+                let tag = tags[&it.msg];
+                if let Some(&(m, seq, sub)) = last.get(&tag) {
+                    assert!((seq, sub) < (it.cts_seq, it.sub), "seed {seed}: send {:?} of tag {tag} matched before send {m:?}", it.msg);
+                }
+                last.insert(tag, (it.msg, it.cts_seq, it.sub));
+            }
+        }
+    }
 }
