@@ -114,8 +114,9 @@ impl Worker {
     }
 
     /// Tell the thread to stop, join it and wait (at most [`REAP_TIMEOUT`]) until the kernel has
-    /// released it. Called on the thread itself (its last comm dropped there), it only sets the flag:
-    /// the thread ends when it next looks.
+    /// released it. Called on the thread itself, it only sets the flag (a thread cannot join itself)
+    /// and the thread ends when it next looks; nothing does that today, as the thread never owns a comm
+    /// (it holds only the shared cores, whose drop does not close anything).
     pub fn stop(self) {
         self.stop.store(true, Ordering::Release);
         if self.handle.thread().id() == std::thread::current().id() {
