@@ -35,6 +35,10 @@ const REAP_TIMEOUT: Duration = Duration::from_secs(2);
 #[derive(Default)]
 pub(crate) struct Progress {
     state: Mutex<State>,
+    /// Held by every close (and `stop`) from before it looks at the registry until any thread it took
+    /// is gone, so that when two comms close at once, the one that does not stop the thread still
+    /// returns only after it is gone. Taken before `state`, never while holding it.
+    stopping: Mutex<()>,
 }
 
 #[derive(Default)]
@@ -60,6 +64,7 @@ impl Progress {
 
     /// A comm closed: forget the dead ones and stop the thread when none is left.
     pub fn closed(&self) {
+        let _stopping = self.stopping.lock();
         let last = {
             let mut st = self.state.lock();
             st.comms.retain(|w| w.upgrade().is_some_and(|c| !c.lock().is_closed()));
@@ -77,6 +82,7 @@ impl Progress {
 
     /// Stop and join the thread (idempotent).
     pub fn stop(&self) {
+        let _stopping = self.stopping.lock();
         let t = self.state.lock().thread.take();
         if let Some(w) = t {
             w.stop();
