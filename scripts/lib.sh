@@ -28,6 +28,14 @@ need_rust() {
   if ! command -v cargo >/dev/null 2>&1; then
     need_debs cargo rustc
   fi
+  # rustfmt and clippy gate the suite (scripts/test): rustup's component, else Debian's packages.
+  if ! cargo fmt --version >/dev/null 2>&1 || ! cargo clippy --version >/dev/null 2>&1; then
+    if command -v rustup >/dev/null 2>&1; then
+      rustup component add rustfmt clippy >/dev/null || die "rustup component add rustfmt clippy failed"
+    else
+      need_debs rustfmt rust-clippy
+    fi
+  fi
   local v
   v=$(rustc --version | awk '{print $2}')
   case "$v" in

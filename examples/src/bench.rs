@@ -25,9 +25,8 @@ pub const DEFAULT_PLUGIN: &str = "libnccl-net-prism.so";
 /// way NCCL reads it (as given, then `libnccl-net-<name>.so` for a bare name), else
 /// `libnccl-net-prism.so` next to the executable.
 pub fn plugin_candidates(arg: Option<&str>, env: Option<&str>, exe_dir: Option<&Path>) -> Vec<PathBuf> {
-    let named = arg
-        .map(str::to_string)
-        .or_else(|| env.and_then(|e| e.split(',').map(str::trim).find(|s| !s.is_empty()).map(str::to_string)));
+    let named =
+        arg.map(str::to_string).or_else(|| env.and_then(|e| e.split(',').map(str::trim).find(|s| !s.is_empty()).map(str::to_string)));
     match named {
         Some(name) => {
             let mut v = vec![PathBuf::from(&name)];
@@ -289,8 +288,7 @@ fn run_connected(args: &Args, rv: &mut Rendezvous) -> Result<bool> {
         bail!("--dev {}: the plugin has {ndev} device(s)", args.dev);
     }
     let devices: Vec<DeviceProps> = (0..ndev).map(|d| plugin.properties(d)).collect::<Result<_, _>>()?;
-    let (plugin_path, plugin_name, abi) =
-        (plugin.path().display().to_string(), plugin.name().to_string(), plugin.version());
+    let (plugin_path, plugin_name, abi) = (plugin.path().display().to_string(), plugin.name().to_string(), plugin.version());
 
     let (send_peers, recv_peers) = args.collective.peers(rank, nranks);
     let exchange = Box::new(|mine: Vec<(usize, Vec<u8>)>| -> Result<Vec<(usize, Vec<u8>)>, String> {
@@ -305,11 +303,7 @@ fn run_connected(args: &Args, rv: &mut Rendezvous) -> Result<bool> {
                 .and_then(Value::as_array)
                 .and_then(|l| l.iter().find(|e| e.get(0).and_then(Value::as_u64) == Some(rank as u64)))
                 .ok_or_else(|| format!("rank {p} did not listen for rank {rank}"))?;
-            let h = entry
-                .get(1)
-                .and_then(Value::as_str)
-                .and_then(unhex)
-                .ok_or_else(|| format!("bad handle from rank {p}"))?;
+            let h = entry.get(1).and_then(Value::as_str).and_then(unhex).ok_or_else(|| format!("bad handle from rank {p}"))?;
             theirs.push((p, h));
         }
         Ok(theirs)
@@ -449,21 +443,8 @@ mod tests {
         use crate::memnet::{mesh, MemNetConfig};
         use clap::Parser;
         let n = 3;
-        let args = Args::try_parse_from([
-            "prism-perf",
-            "all_reduce",
-            "-b",
-            "1K",
-            "-e",
-            "64K",
-            "-f",
-            "4",
-            "-n",
-            "2",
-            "--slice",
-            "1K",
-        ])
-        .unwrap();
+        let args =
+            Args::try_parse_from(["prism-perf", "all_reduce", "-b", "1K", "-e", "64K", "-f", "4", "-n", "2", "--slice", "1K"]).unwrap();
         let listener = Rendezvous::bind("127.0.0.1:0").unwrap();
         let addr = listener.local_addr().unwrap().to_string();
         let (_net, ranks) = mesh(n, MemNetConfig::lossless(11));

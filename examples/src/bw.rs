@@ -8,9 +8,7 @@ pub fn alg_bytes(coll: Collective, param: usize, nranks: usize) -> f64 {
     match coll {
         Collective::AllReduce | Collective::SendRecv => bytes,
         // The sparse alltoall is reported at its nominal (dense) size, like nccl-tests' alltoallv.
-        Collective::AllGather | Collective::ReduceScatter | Collective::AllToAll | Collective::AllToAllSparse => {
-            bytes * nranks as f64
-        }
+        Collective::AllGather | Collective::ReduceScatter | Collective::AllToAll | Collective::AllToAllSparse => bytes * nranks as f64,
     }
 }
 

@@ -200,8 +200,7 @@ mod tests {
     use super::*;
 
     fn parse(args: &[&str]) -> Result<Args, String> {
-        let a = Args::try_parse_from(std::iter::once("prism-perf").chain(args.iter().copied()))
-            .map_err(|e| e.to_string())?;
+        let a = Args::try_parse_from(std::iter::once("prism-perf").chain(args.iter().copied())).map_err(|e| e.to_string())?;
         a.validate()?;
         Ok(a)
     }

@@ -99,9 +99,7 @@ impl Collective {
             Collective::SendRecv | Collective::AllReduce => Counts { send: count, recv: count, param: count },
             Collective::AllGather => Counts { send: per_rank, recv: per_rank * n, param: per_rank },
             Collective::ReduceScatter => Counts { send: per_rank * n, recv: per_rank, param: per_rank },
-            Collective::AllToAll | Collective::AllToAllSparse => {
-                Counts { send: per_rank * n, recv: per_rank * n, param: per_rank }
-            }
+            Collective::AllToAll | Collective::AllToAllSparse => Counts { send: per_rank * n, recv: per_rank * n, param: per_rank },
         }
     }
 
@@ -612,13 +610,7 @@ pub fn execute(t: &mut dyn Transport, plan: &Plan, cfg: &ExecConfig) -> Result<E
                     let qi = queues.iter().position(|q| q.peer == r.peer).expect("queue exists");
                     queues[qi].recvs_in_flight -= 1;
                     if bytes != r.region.bytes() {
-                        return Err(CollError::SizeMismatch {
-                            rank,
-                            peer: r.peer,
-                            index: idx,
-                            got: bytes,
-                            expected: r.region.bytes(),
-                        });
+                        return Err(CollError::SizeMismatch { rank, peer: r.peer, index: idx, got: bytes, expected: r.region.bytes() });
                     }
                     if let Some(src) = r.add_from {
                         t.pool_mut().add_assign(r.region, src).map_err(net(format!("sum after irecv #{idx}")))?;
@@ -643,27 +635,13 @@ pub fn execute(t: &mut dyn Transport, plan: &Plan, cfg: &ExecConfig) -> Result<E
     Ok(stats)
 }
 
-fn describe_pending(
-    plan: &Plan,
-    queues: &[PeerQueues],
-    outstanding: &[(ReqId, Op)],
-    recv_done: &[bool],
-    window: usize,
-) -> String {
+fn describe_pending(plan: &Plan, queues: &[PeerQueues], outstanding: &[(ReqId, Op)], recv_done: &[bool], window: usize) -> String {
     let mut parts: Vec<String> = outstanding
         .iter()
         .take(8)
         .map(|(_, op)| match *op {
-            Op::Send(i) => format!(
-                "isend #{i} to rank {} ({} B) posted, not done",
-                plan.sends[i].peer,
-                plan.sends[i].region.bytes()
-            ),
-            Op::Recv(i) => format!(
-                "irecv #{i} from rank {} ({} B) posted, not done",
-                plan.recvs[i].peer,
-                plan.recvs[i].region.bytes()
-            ),
+            Op::Send(i) => format!("isend #{i} to rank {} ({} B) posted, not done", plan.sends[i].peer, plan.sends[i].region.bytes()),
+            Op::Recv(i) => format!("irecv #{i} from rank {} ({} B) posted, not done", plan.recvs[i].peer, plan.recvs[i].region.bytes()),
         })
         .collect();
     if outstanding.len() > 8 {
@@ -678,11 +656,7 @@ fn describe_pending(
             } else {
                 format!("{} retry-later answers", q.recv_retries)
             };
-            parts.push(format!(
-                "{} irecvs from rank {} not posted yet ({reason})",
-                q.recvs.len() - q.next_recv,
-                q.peer
-            ));
+            parts.push(format!("{} irecvs from rank {} not posted yet ({reason})", q.recvs.len() - q.next_recv, q.peer));
         }
         if q.next_send < q.sends.len() {
             let next = plan.sends[q.sends[q.next_send]];
@@ -730,8 +704,7 @@ mod tests {
                 })
             })
             .collect();
-        let results =
-            threads.into_iter().map(|h| h.join().unwrap_or_else(|_| Err("rank thread panicked".into()))).collect();
+        let results = threads.into_iter().map(|h| h.join().unwrap_or_else(|_| Err("rank thread panicked".into()))).collect();
         (net, results)
     }
 
@@ -824,8 +797,7 @@ mod tests {
     #[test]
     fn a_window_above_the_plugins_request_limit_is_caught_by_the_network() {
         // The counterpart of the test above: the limit check does bite.
-        let cfg =
-            MemNetConfig { max_requests_per_comm: 3, retry_later_pct: 0, delay_pct: 90, ..MemNetConfig::lossless(5) };
+        let cfg = MemNetConfig { max_requests_per_comm: 3, retry_later_pct: 0, delay_pct: 90, ..MemNetConfig::lossless(5) };
         let (_, res) = run_job(Collective::SendRecv, 2, 4 * 4099, 16, 8, cfg);
         assert!(res.iter().any(|w| w.as_ref().is_err_and(|e| e.contains("already open"))), "{res:?}");
     }
@@ -964,8 +936,7 @@ mod tests {
                         for (j, s) in p.sends.iter().enumerate() {
                             if r.region.overlaps(&s.region) {
                                 assert!(
-                                    chain(&p, Op::Send(j)).contains(&(false, i))
-                                        || chain(&p, Op::Recv(i)).contains(&(true, j)),
+                                    chain(&p, Op::Send(j)).contains(&(false, i)) || chain(&p, Op::Recv(i)).contains(&(true, j)),
                                     "{} n={n} rank {rank}: irecv #{i} and isend #{j} share bytes unordered",
                                     coll.name()
                                 );

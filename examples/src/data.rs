@@ -43,13 +43,7 @@ pub fn expected(coll: Collective, rank: usize, nranks: usize, counts: Counts, pa
 }
 
 /// Counts the elements of this rank's receive buffer that differ from [`expected`].
-pub fn count_wrong(
-    t: &dyn Transport,
-    coll: Collective,
-    bufs: Buffers,
-    counts: Counts,
-    pass: usize,
-) -> Result<usize, NetError> {
+pub fn count_wrong(t: &dyn Transport, coll: Collective, bufs: Buffers, counts: Counts, pass: usize) -> Result<usize, NetError> {
     let (rank, n) = (t.rank(), t.nranks());
     let got = t.pool().read(Region::new(bufs.recv, 0, counts.recv))?;
     // NaN != anything, so unwritten (poisoned) elements count as wrong, except where nothing is to be

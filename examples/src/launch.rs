@@ -165,9 +165,7 @@ mod tests {
         assert_eq!(&a[..5], &user[..]);
         assert_eq!(&a[5..], ["--rank", "1", "--nranks", "2", "--rendezvous", "127.0.0.1:4000", "--spawned"]);
         // What a child gets must parse and validate as one rank of a job.
-        let parsed =
-            <crate::cli::Args as clap::Parser>::try_parse_from(std::iter::once("prism-perf".to_string()).chain(a))
-                .unwrap();
+        let parsed = <crate::cli::Args as clap::Parser>::try_parse_from(std::iter::once("prism-perf".to_string()).chain(a)).unwrap();
         parsed.validate().unwrap();
         assert_eq!((parsed.rank, parsed.nranks, parsed.spawned), (Some(1), Some(2), true));
         let argv: Vec<String> = std::iter::once("prism-perf".to_string()).chain(child_args(&user, 1, 2, "h:1")).collect();

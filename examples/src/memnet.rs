@@ -28,13 +28,7 @@ pub struct MemNetConfig {
 impl MemNetConfig {
     /// A network that misbehaves in the allowed ways (retries, delays) but never corrupts data.
     pub fn lossless(seed: u64) -> Self {
-        Self {
-            seed,
-            retry_later_pct: 20,
-            delay_pct: 30,
-            corrupt_every: None,
-            max_requests_per_comm: MAX_REQUESTS_PER_COMM,
-        }
+        Self { seed, retry_later_pct: 20, delay_pct: 30, corrupt_every: None, max_requests_per_comm: MAX_REQUESTS_PER_COMM }
     }
 }
 
@@ -57,9 +51,7 @@ struct Shared {
 
 impl Shared {
     fn conn(&self, src: usize, dst: usize) -> Result<std::sync::MutexGuard<'_, Conn>, NetError> {
-        self.conns[src * self.n + dst]
-            .lock()
-            .map_err(|_| NetError::Protocol("a rank thread panicked while holding a connection".into()))
+        self.conns[src * self.n + dst].lock().map_err(|_| NetError::Protocol("a rank thread panicked while holding a connection".into()))
     }
 }
 

@@ -171,8 +171,7 @@ impl HostBuf {
 impl Drop for HostBuf {
     fn drop(&mut self) {
         if self.len > 0 {
-            let layout =
-                Layout::from_size_align(self.len * ELEM_BYTES, Self::ALIGN).expect("layout was valid at alloc");
+            let layout = Layout::from_size_align(self.len * ELEM_BYTES, Self::ALIGN).expect("layout was valid at alloc");
             // SAFETY: allocated in `new` with this very layout and not freed since.
             unsafe { alloc::dealloc(self.ptr.as_ptr().cast(), layout) };
         }
@@ -665,13 +664,11 @@ impl ShimTransport {
             let theirs = exchange(mine).map_err(NetError::Exchange)?;
             let mut handles: Vec<(usize, [u8; HANDLE_BYTES])> = Vec::new();
             for &peer in send_peers {
-                let h = theirs
-                    .iter()
-                    .find(|(p, _)| *p == peer)
-                    .ok_or_else(|| NetError::Exchange(format!("no handle from peer {peer}")))?;
-                let h: [u8; HANDLE_BYTES] = h.1.as_slice().try_into().map_err(|_| {
-                    NetError::Exchange(format!("handle from peer {peer} has {} bytes, not {HANDLE_BYTES}", h.1.len()))
-                })?;
+                let h = theirs.iter().find(|(p, _)| *p == peer).ok_or_else(|| NetError::Exchange(format!("no handle from peer {peer}")))?;
+                let h: [u8; HANDLE_BYTES] =
+                    h.1.as_slice()
+                        .try_into()
+                        .map_err(|_| NetError::Exchange(format!("handle from peer {peer} has {} bytes, not {HANDLE_BYTES}", h.1.len())))?;
                 handles.push((peer, h));
             }
             let start = Instant::now();
@@ -713,16 +710,8 @@ impl ShimTransport {
                             .filter(|(p, _)| !t.send_comms.iter().any(|(q, _)| q == p))
                             .map(|(p, _)| format!("connect to rank {p}"))
                             .collect();
-                        pending.extend(
-                            listens
-                                .iter()
-                                .filter(|(p, _)| !accepted.contains(p))
-                                .map(|(p, _)| format!("accept from rank {p}")),
-                        );
-                        return Err(NetError::ConnectTimeout {
-                            secs: start.elapsed().as_secs_f64(),
-                            pending: pending.join(", "),
-                        });
+                        pending.extend(listens.iter().filter(|(p, _)| !accepted.contains(p)).map(|(p, _)| format!("accept from rank {p}")));
+                        return Err(NetError::ConnectTimeout { secs: start.elapsed().as_secs_f64(), pending: pending.join(", ") });
                     }
                     std::thread::sleep(Duration::from_micros(200));
                 }
@@ -974,16 +963,14 @@ mod tests {
                         let all = rv.allgather(json!(mine)).map_err(|e| e.to_string())?;
                         let mut theirs = Vec::new();
                         for &p in &send_peers {
-                            let list: Vec<(usize, Vec<u8>)> =
-                                serde_json::from_value(all[p].clone()).map_err(|e| e.to_string())?;
+                            let list: Vec<(usize, Vec<u8>)> = serde_json::from_value(all[p].clone()).map_err(|e| e.to_string())?;
                             let h = list.into_iter().find(|(q, _)| *q == rank).ok_or("no handle")?;
                             theirs.push((p, h.1));
                         }
                         Ok(theirs)
                     });
                     let place = Place { dev: 1, rank, nranks: n };
-                    let mut t =
-                        ShimTransport::establish(plugin, place, &send_peers, &recv_peers, exchange, timeout).unwrap();
+                    let mut t = ShimTransport::establish(plugin, place, &send_peers, &recv_peers, exchange, timeout).unwrap();
                     let counts = coll.counts(bytes, n);
                     let bufs = Buffers::alloc(&mut t, coll, counts).unwrap();
                     let p = coll::plan(coll, rank, n, counts, bufs, 100);

@@ -74,8 +74,8 @@ impl Link {
                 self.rank
             )));
         }
-        let v: Value = serde_json::from_str(&line)
-            .map_err(|e| RendezvousError::Protocol(format!("bad message from rank {}: {e}", self.rank)))?;
+        let v: Value =
+            serde_json::from_str(&line).map_err(|e| RendezvousError::Protocol(format!("bad message from rank {}: {e}", self.rank)))?;
         if let Some(msg) = v.get("abort") {
             let rank = v.get("rank").and_then(Value::as_u64).map_or(self.rank, |r| r as usize);
             return Err(RendezvousError::Aborted { rank, msg: msg.as_str().unwrap_or("?").to_string() });
@@ -122,9 +122,7 @@ impl Rendezvous {
                     let rank = hello.get("rank").and_then(Value::as_u64).map(|r| r as usize);
                     let their_n = hello.get("nranks").and_then(Value::as_u64).map(|r| r as usize);
                     match (rank, their_n) {
-                        (Some(r), Some(n))
-                            if n == nranks && r > 0 && r < nranks && !links.iter().any(|l| l.rank == r) =>
-                        {
+                        (Some(r), Some(n)) if n == nranks && r > 0 && r < nranks && !links.iter().any(|l| l.rank == r) => {
                             link.rank = r;
                             links.push(link);
                         }
@@ -137,8 +135,7 @@ impl Rendezvous {
                 }
                 Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
                     if Instant::now() > deadline {
-                        let mut missing: Vec<usize> =
-                            (1..nranks).filter(|r| !links.iter().any(|l| l.rank == *r)).collect();
+                        let mut missing: Vec<usize> = (1..nranks).filter(|r| !links.iter().any(|l| l.rank == *r)).collect();
                         missing.sort_unstable();
                         return Err(RendezvousError::Timeout(format!("ranks {missing:?} did not connect")));
                     }
@@ -211,9 +208,10 @@ impl Rendezvous {
                             return Err(e);
                         }
                     };
-                    let v = msg.get("v").cloned().ok_or_else(|| {
-                        RendezvousError::Protocol(format!("bad message from rank {}: {msg}", link.rank))
-                    })?;
+                    let v = msg
+                        .get("v")
+                        .cloned()
+                        .ok_or_else(|| RendezvousError::Protocol(format!("bad message from rank {}: {msg}", link.rank)))?;
                     all.push(v);
                 }
                 let reply = json!({ "all": all });
@@ -268,10 +266,8 @@ mod tests {
     #[test]
     fn allgather_returns_every_contribution_in_rank_order_on_every_rank() {
         let ranks = start(4);
-        let threads: Vec<_> = ranks
-            .into_iter()
-            .map(|mut rv| std::thread::spawn(move || rv.allgather(json!(rv.rank() * 10)).unwrap()))
-            .collect();
+        let threads: Vec<_> =
+            ranks.into_iter().map(|mut rv| std::thread::spawn(move || rv.allgather(json!(rv.rank() * 10)).unwrap())).collect();
         for t in threads {
             assert_eq!(t.join().unwrap(), vec![json!(0), json!(10), json!(20), json!(30)]);
         }

@@ -79,8 +79,7 @@ pub struct HeaderInfo {
 /// The comment block above the table, ending with the column titles.
 pub fn header(h: &HeaderInfo) -> String {
     let mut s = String::new();
-    let step =
-        if h.step_factor > 1 { format!("{}(factor)", h.step_factor) } else { format!("{}(bytes)", h.step_bytes) };
+    let step = if h.step_factor > 1 { format!("{}(factor)", h.step_factor) } else { format!("{}(bytes)", h.step_bytes) };
     let _ = writeln!(
         s,
         "# prism-perf {}: nRanks {} minBytes {} maxBytes {} step: {} warmup iters: {} iters: {} validation: {}",

@@ -32,11 +32,7 @@ fn run(name: &str, env: &[(&str, &str)], args: &[&str]) -> Value {
     }
     let res = cmd.output().expect("running prism-perf");
     let stdout = String::from_utf8_lossy(&res.stdout);
-    assert!(
-        res.status.success(),
-        "{name}: prism-perf failed\n{stdout}\n{}",
-        String::from_utf8_lossy(&res.stderr)
-    );
+    assert!(res.status.success(), "{name}: prism-perf failed\n{stdout}\n{}", String::from_utf8_lossy(&res.stderr));
     assert!(stdout.contains("# Out of bounds values : 0 OK"), "{name}: wrong data\n{stdout}");
     let report: Value = serde_json::from_str(&std::fs::read_to_string(&out).unwrap()).unwrap();
     for f in report["stats_files"].as_array().unwrap() {
@@ -114,12 +110,7 @@ fn planned_per_rail(stats: &Value) -> Vec<u64> {
 #[test]
 fn rail_policies_spread_or_pin_as_configured_over_two_rails() {
     let two = [("PRISM_IFNAMES", "lo,lo")];
-    for (rail, check) in [
-        ("lpt", "even"),
-        ("rr", "even"),
-        ("hash", "one"),
-        ("single", "home"),
-    ] {
+    for (rail, check) in [("lpt", "even"), ("rr", "even"), ("hash", "one"), ("single", "home")] {
         let mut env = two.to_vec();
         env.push(("PRISM_RAIL", rail));
         let per = planned_per_rail(&run(rail, &env, MANY_PACKETS));

@@ -105,59 +105,32 @@ impl Default for LbConfig {
 }
 
 fn bad(var: &'static str, value: &str, reason: impl Into<String>) -> ConfigError {
-    ConfigError::Invalid {
-        var,
-        value: value.to_string(),
-        reason: reason.into(),
-    }
+    ConfigError::Invalid { var, value: value.to_string(), reason: reason.into() }
 }
 
-fn choice<T: Copy>(
-    var: &'static str,
-    value: &str,
-    options: &[(&str, T)],
-) -> Result<T, ConfigError> {
+fn choice<T: Copy>(var: &'static str, value: &str, options: &[(&str, T)]) -> Result<T, ConfigError> {
     let v = value.trim();
-    options
-        .iter()
-        .find(|(name, _)| *name == v)
-        .map(|(_, t)| *t)
-        .ok_or_else(|| {
-            let names: Vec<&str> = options.iter().map(|(n, _)| *n).collect();
-            bad(var, v, format!("must be one of {}", names.join(", ")))
-        })
+    options.iter().find(|(name, _)| *name == v).map(|(_, t)| *t).ok_or_else(|| {
+        let names: Vec<&str> = options.iter().map(|(n, _)| *n).collect();
+        bad(var, v, format!("must be one of {}", names.join(", ")))
+    })
 }
 
 fn integer(var: &'static str, value: &str, min: u64, max: u64) -> Result<u64, ConfigError> {
     let v = value.trim();
     match v.parse::<u64>() {
         Ok(x) if (min..=max).contains(&x) => Ok(x),
-        _ => Err(bad(
-            var,
-            v,
-            format!("must be an integer between {min} and {max}"),
-        )),
+        _ => Err(bad(var, v, format!("must be an integer between {min} and {max}"))),
     }
 }
 
 /// A decimal in `[min, max]` (or `(min, max)` when `open`), returned in thousandths.
-fn decimal_permille(
-    var: &'static str,
-    value: &str,
-    min: f64,
-    max: f64,
-    open: bool,
-) -> Result<u32, ConfigError> {
+fn decimal_permille(var: &'static str, value: &str, min: f64, max: f64, open: bool) -> Result<u32, ConfigError> {
     let v = value.trim();
     let (lo, hi) = if open { ("(", ")") } else { ("[", "]") };
     let reason = || format!("must be a decimal number in {lo}{min}, {max}{hi}");
     let x: f64 = v.parse().map_err(|_| bad(var, v, reason()))?;
-    let inside = x.is_finite()
-        && if open {
-            x > min && x < max
-        } else {
-            x >= min && x <= max
-        };
+    let inside = x.is_finite() && if open { x > min && x < max } else { x >= min && x <= max };
     let pm = (x * 1000.0).round();
     if !inside || pm < 1.0 {
         return Err(bad(var, v, reason()));
@@ -176,30 +149,16 @@ impl LbConfig {
             c.rail = choice(
                 "PRISM_RAIL",
                 v,
-                &[
-                    ("lpt", RailKind::Lpt),
-                    ("rr", RailKind::Rr),
-                    ("hash", RailKind::Hash),
-                    ("single", RailKind::Single),
-                ],
+                &[("lpt", RailKind::Lpt), ("rr", RailKind::Rr), ("hash", RailKind::Hash), ("single", RailKind::Single)],
             )?;
         }
         if let Some(v) = get("PRISM_LPT_TIE") {
-            c.lpt_tie = choice(
-                "PRISM_LPT_TIE",
-                v,
-                &[("rotated", TieBreak::Rotated), ("lowest", TieBreak::Lowest)],
-            )?;
+            c.lpt_tie = choice("PRISM_LPT_TIE", v, &[("rotated", TieBreak::Rotated), ("lowest", TieBreak::Lowest)])?;
         }
         if let Some(v) = get("PRISM_CHUNK") {
-            c.chunk_bytes =
-                integer("PRISM_CHUNK", v, CHUNK_RANGE.0 as u64, CHUNK_RANGE.1 as u64)? as u32;
+            c.chunk_bytes = integer("PRISM_CHUNK", v, CHUNK_RANGE.0 as u64, CHUNK_RANGE.1 as u64)? as u32;
             if c.chunk_bytes % CHUNK_ALIGN != 0 {
-                return Err(bad(
-                    "PRISM_CHUNK",
-                    v.trim(),
-                    format!("must be a multiple of {CHUNK_ALIGN} (NCCL's LL128 line)"),
-                ));
+                return Err(bad("PRISM_CHUNK", v.trim(), format!("must be a multiple of {CHUNK_ALIGN} (NCCL's LL128 line)")));
             }
         }
         if let Some(v) = get("PRISM_SPLIT") {
@@ -209,20 +168,8 @@ impl LbConfig {
                 "ethereal" => SplitKind::Ethereal,
                 _ => match t.strip_prefix("fixed:").map(|k| k.parse::<u16>()) {
                     Some(Ok(k)) if (1..=MAX_FIXED_SPLIT).contains(&k) => SplitKind::Fixed(k),
-                    Some(_) => {
-                        return Err(bad(
-                            "PRISM_SPLIT",
-                            t,
-                            format!("fixed:k needs k between 1 and {MAX_FIXED_SPLIT}"),
-                        ))
-                    }
-                    None => {
-                        return Err(bad(
-                            "PRISM_SPLIT",
-                            t,
-                            "must be one of ethereal, none, fixed:k",
-                        ))
-                    }
+                    Some(_) => return Err(bad("PRISM_SPLIT", t, format!("fixed:k needs k between 1 and {MAX_FIXED_SPLIT}"))),
+                    None => return Err(bad("PRISM_SPLIT", t, "must be one of ethereal, none, fixed:k")),
                 },
             };
         }
@@ -255,15 +202,10 @@ impl LbConfig {
             c.reps.explore = integer("PRISM_REPS_EXPLORE", v, 0, 65_535)? as u32;
         }
         if let Some(v) = get("PRISM_REPS_FREEZE_RTT") {
-            c.reps.freeze_rtt_permille =
-                decimal_permille("PRISM_REPS_FREEZE_RTT", v, 1.0, 100.0, false)?;
+            c.reps.freeze_rtt_permille = decimal_permille("PRISM_REPS_FREEZE_RTT", v, 1.0, 100.0, false)?;
         }
         if let Some(v) = get("PRISM_CC") {
-            c.cc = choice(
-                "PRISM_CC",
-                v,
-                &[("none", CcKind::None), ("mcc", CcKind::Mcc)],
-            )?;
+            c.cc = choice("PRISM_CC", v, &[("none", CcKind::None), ("mcc", CcKind::Mcc)])?;
         }
         if let Some(v) = get("PRISM_MCC_TARGET_MSG_US") {
             c.mcc.target_msg_us = integer("PRISM_MCC_TARGET_MSG_US", v, 1, 10_000_000)?;
@@ -308,11 +250,7 @@ impl LbConfig {
         if let Some(v) = get("PRISM_TOPO") {
             let t = v.trim();
             if t.is_empty() {
-                return Err(bad(
-                    "PRISM_TOPO",
-                    t,
-                    "must name a topology JSON file (or be unset for one leaf)",
-                ));
+                return Err(bad("PRISM_TOPO", t, "must name a topology JSON file (or be unset for one leaf)"));
             }
             c.topo_path = Some(t.to_string());
         }
@@ -328,21 +266,15 @@ impl LbConfig {
         let e = &self.ethereal;
         let split = match self.split {
             SplitKind::Ethereal => {
-                format!(
-                    "ethereal(batch_us={},jitter_us={},reset_us={})",
-                    e.batch_us, e.jitter_us, e.reset_us
-                )
+                format!("ethereal(batch_us={},jitter_us={},reset_us={})", e.batch_us, e.jitter_us, e.reset_us)
             }
             k => k.describe(),
         };
         let r = &self.reps;
         let path = match self.path {
-            PathKind::Reps => format!(
-                "reps(freeze_us={},explore={},freeze_rtt={})",
-                r.freeze_us,
-                r.explore,
-                r.freeze_rtt_permille as f64 / 1000.0
-            ),
+            PathKind::Reps => {
+                format!("reps(freeze_us={},explore={},freeze_rtt={})", r.freeze_us, r.explore, r.freeze_rtt_permille as f64 / 1000.0)
+            }
             k => k.name().to_string(),
         };
         let m = &self.mcc;
@@ -360,10 +292,7 @@ impl LbConfig {
             k => k.name().to_string(),
         };
         let topo = self.topo_path.as_deref().unwrap_or("single-leaf");
-        format!(
-            "rail={rail} chunk={} split={split} path={path} cc={cc} topo={topo}",
-            self.chunk_bytes
-        )
+        format!("rail={rail} chunk={} split={split} path={path} cc={cc} topo={topo}", self.chunk_bytes)
     }
 
     /// A path policy for one new flow on the default topology (one leaf, no pinning); `seed` makes its
@@ -373,9 +302,7 @@ impl LbConfig {
             PathKind::Spray => Box::new(Spray::new(seed)),
             PathKind::Ecmp => Box::new(Ecmp::new(seed)),
             PathKind::Reps => Box::new(Reps::new(self.reps, seed)),
-            PathKind::Pro => Box::new(Pro::new(ProShared::shared(
-                SmallRng::seed_from_u64(seed).gen(),
-            ))),
+            PathKind::Pro => Box::new(Pro::new(ProShared::shared(SmallRng::seed_from_u64(seed).gen()))),
             PathKind::Dr => Box::new(Dr::new(DrShared::shared(seed))),
         }
     }
@@ -386,9 +313,7 @@ mod tests {
     use super::*;
 
     fn vars(kv: &[(&str, &str)]) -> BTreeMap<String, String> {
-        kv.iter()
-            .map(|(k, v)| (k.to_string(), v.to_string()))
-            .collect()
+        kv.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect()
     }
 
     fn err(kv: &[(&str, &str)]) -> String {
@@ -405,20 +330,8 @@ mod tests {
     #[test]
     fn defaults_are_lpt_none_spray_none_and_32_kib_chunks() {
         let c = LbConfig::from_vars(&BTreeMap::new()).unwrap();
-        assert_eq!(
-            (c.rail, c.split, c.path, c.cc, c.chunk_bytes),
-            (
-                RailKind::Lpt,
-                SplitKind::None,
-                PathKind::Spray,
-                CcKind::None,
-                32768
-            )
-        );
-        assert_eq!(
-            c.describe(),
-            "rail=lpt(tie=rotated) chunk=32768 split=none path=spray cc=none topo=single-leaf"
-        );
+        assert_eq!((c.rail, c.split, c.path, c.cc, c.chunk_bytes), (RailKind::Lpt, SplitKind::None, PathKind::Spray, CcKind::None, 32768));
+        assert_eq!(c.describe(), "rail=lpt(tie=rotated) chunk=32768 split=none path=spray cc=none topo=single-leaf");
     }
 
     #[test]
@@ -450,22 +363,8 @@ mod tests {
         assert_eq!(c.lpt_tie, TieBreak::Lowest);
         assert_eq!(c.chunk_bytes, 65536);
         assert_eq!(c.split, SplitKind::Fixed(8));
-        assert_eq!(
-            c.ethereal,
-            EtherealParams {
-                batch_us: 5,
-                jitter_us: 0,
-                reset_us: 500
-            }
-        );
-        assert_eq!(
-            c.reps,
-            RepsParams {
-                freeze_us: 100,
-                explore: 32,
-                freeze_rtt_permille: 2500
-            }
-        );
+        assert_eq!(c.ethereal, EtherealParams { batch_us: 5, jitter_us: 0, reset_us: 500 });
+        assert_eq!(c.reps, RepsParams { freeze_us: 100, explore: 32, freeze_rtt_permille: 2500 });
         assert_eq!(c.cc, CcKind::Mcc);
         assert_eq!(c.mcc.md_permille, 700);
         assert_eq!(c.mcc.init_window, 2 << 20);
@@ -476,20 +375,9 @@ mod tests {
             assert_eq!(c.path_policy(1).name(), p);
         }
         for r in ["lpt", "rr", "hash", "single"] {
-            assert_eq!(
-                LbConfig::from_vars(&vars(&[("PRISM_RAIL", r)]))
-                    .unwrap()
-                    .rail
-                    .name(),
-                r
-            );
+            assert_eq!(LbConfig::from_vars(&vars(&[("PRISM_RAIL", r)])).unwrap().rail.name(), r);
         }
-        assert_eq!(
-            LbConfig::from_vars(&vars(&[("PRISM_SPLIT", "ethereal")]))
-                .unwrap()
-                .split,
-            SplitKind::Ethereal
-        );
+        assert_eq!(LbConfig::from_vars(&vars(&[("PRISM_SPLIT", "ethereal")])).unwrap().split, SplitKind::Ethereal);
     }
 
     #[test]
@@ -524,28 +412,15 @@ mod tests {
 
     #[test]
     fn other_components_variables_are_left_alone() {
-        assert!(
-            LbConfig::from_vars(&vars(&[("PRISM_PATHS", "64"), ("PRISM_STATS", "/x")])).is_ok()
-        );
+        assert!(LbConfig::from_vars(&vars(&[("PRISM_PATHS", "64"), ("PRISM_STATS", "/x")])).is_ok());
     }
 
     #[test]
     fn describe_shows_the_chosen_policies_parameters() {
-        let c = LbConfig::from_vars(&vars(&[
-            ("PRISM_PATH", "reps"),
-            ("PRISM_SPLIT", "ethereal"),
-            ("PRISM_CC", "mcc"),
-        ]))
-        .unwrap();
+        let c = LbConfig::from_vars(&vars(&[("PRISM_PATH", "reps"), ("PRISM_SPLIT", "ethereal"), ("PRISM_CC", "mcc")])).unwrap();
         let d = c.describe();
-        assert!(
-            d.contains("path=reps(freeze_us=10000,explore=16,freeze_rtt=1.65)"),
-            "{d}"
-        );
-        assert!(
-            d.contains("split=ethereal(batch_us=0,jitter_us=2,reset_us=10000)"),
-            "{d}"
-        );
+        assert!(d.contains("path=reps(freeze_us=10000,explore=16,freeze_rtt=1.65)"), "{d}");
+        assert!(d.contains("split=ethereal(batch_us=0,jitter_us=2,reset_us=10000)"), "{d}");
         assert!(d.contains("cc=mcc(target_msg_us=200"), "{d}");
     }
 }

@@ -53,9 +53,7 @@ impl Feedback {
     /// The entropy the event is about, when it names one.
     pub fn entropy(&self) -> Option<u16> {
         match *self {
-            Feedback::Ack { entropy, .. }
-            | Feedback::Nack { entropy, .. }
-            | Feedback::PathState { entropy, .. } => Some(entropy),
+            Feedback::Ack { entropy, .. } | Feedback::Nack { entropy, .. } | Feedback::PathState { entropy, .. } => Some(entropy),
             Feedback::Timeout { entropy, .. } => entropy,
         }
     }

@@ -11,9 +11,7 @@ use rand::{rngs::SmallRng, Rng, SeedableRng};
 use crate::config::{LbConfig, PathKind};
 use crate::feedback::Feedback;
 use crate::mix64;
-use crate::path::{
-    lock, DeadSet, Dr, DrShared, Ecmp, PathCtx, PathPolicy, Pinned, Pro, ProShared, Reps, Spray,
-};
+use crate::path::{lock, DeadSet, Dr, DrShared, Ecmp, PathCtx, PathPolicy, Pinned, Pro, ProShared, Reps, Spray};
 use crate::plan::{Chunk, Plan, PlanError, SendReq};
 use crate::rail::{rail_policy, RailChunk, RailPolicy};
 use crate::rate::{CcKind, Mcc, NoRate, RateController};
@@ -65,10 +63,7 @@ pub struct LbRuntime {
 
 impl std::fmt::Debug for LbRuntime {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("LbRuntime")
-            .field("config", &self.inner.cfg.describe())
-            .field("host", &self.inner.host)
-            .finish()
+        f.debug_struct("LbRuntime").field("config", &self.inner.cfg.describe()).field("host", &self.inner.host).finish()
     }
 }
 
@@ -80,10 +75,7 @@ impl LbRuntime {
     /// A runtime for host `host` of `topo` with `cfg`'s policies; `seed` fixes every random choice.
     pub fn new(cfg: LbConfig, topo: Topology, host: usize, seed: u64) -> Result<Self, PlanError> {
         if !topo.knows_host(host) {
-            return Err(PlanError::UnknownHost {
-                host,
-                known: topo.hosts().len(),
-            });
+            return Err(PlanError::UnknownHost { host, known: topo.hosts().len() });
         }
         let rails = topo.rails();
         let inner = Inner {
@@ -92,10 +84,7 @@ impl LbRuntime {
                 alive: vec![true; rails as usize],
                 scratch: Vec::new(),
             }),
-            split: Mutex::new(SplitShared {
-                bad: BadPaths::default(),
-                rng: SmallRng::seed_from_u64(mix64(seed ^ 2)),
-            }),
+            split: Mutex::new(SplitShared { bad: BadPaths::default(), rng: SmallRng::seed_from_u64(mix64(seed ^ 2)) }),
             pro: Mutex::new(HashMap::new()),
             dr: Mutex::new(HashMap::new()),
             cfg,
@@ -103,9 +92,7 @@ impl LbRuntime {
             host,
             seed,
         };
-        Ok(Self {
-            inner: Arc::new(inner),
-        })
+        Ok(Self { inner: Arc::new(inner) })
     }
 
     /// The configuration.
@@ -139,35 +126,17 @@ impl LbRuntime {
     pub fn plan_batch(&self, reqs: &[SendReq], now_us: u64) -> Result<Vec<Plan>, PlanError> {
         let inner = &*self.inner;
         if let Some(r) = reqs.iter().find(|r| !inner.topo.knows_host(r.dst_host)) {
-            return Err(PlanError::UnknownHost {
-                host: r.dst_host,
-                known: inner.topo.hosts().len(),
-            });
+            return Err(PlanError::UnknownHost { host: r.dst_host, known: inner.topo.hosts().len() });
         }
         let chunk = inner.cfg.chunk_bytes;
-        let mut plans: Vec<Plan> = reqs
-            .iter()
-            .map(|r| Plan {
-                chunks: Vec::with_capacity(r.len.div_ceil(chunk as u64) as usize),
-            })
-            .collect();
+        let mut plans: Vec<Plan> =
+            reqs.iter().map(|r| Plan { chunks: Vec::with_capacity(r.len.div_ceil(chunk as u64) as usize) }).collect();
         let mut rs = lock(&inner.rails);
-        let RailShared {
-            policy,
-            alive,
-            scratch,
-        } = &mut *rs;
+        let RailShared { policy, alive, scratch } = &mut *rs;
         scratch.clear();
         policy.assign(inner.host, reqs, chunk, alive, scratch);
         if inner.cfg.split == SplitKind::None {
-            let chunk = |c: &RailChunk| Chunk {
-                rail: c.rail,
-                uplink: None,
-                subflow: 0,
-                offset: c.offset,
-                len: c.len,
-                start_after_us: 0,
-            };
+            let chunk = |c: &RailChunk| Chunk { rail: c.rail, uplink: None, subflow: 0, offset: c.offset, len: c.len, start_after_us: 0 };
             if let [only] = plans.as_mut_slice() {
                 only.chunks.extend(scratch.iter().map(chunk));
             } else {
@@ -178,22 +147,8 @@ impl LbRuntime {
         } else {
             let mut sp = lock(&inner.split);
             let SplitShared { bad, rng } = &mut *sp;
-            let env = SplitEnv {
-                topo: &inner.topo,
-                host: inner.host,
-                now_us,
-                rng,
-                bad,
-                params: &inner.cfg.ethereal,
-            };
-            split(
-                inner.cfg.split,
-                env,
-                reqs,
-                scratch,
-                inner.topo.rails(),
-                &mut plans,
-            );
+            let env = SplitEnv { topo: &inner.topo, host: inner.host, now_us, rng, bad, params: &inner.cfg.ethereal };
+            split(inner.cfg.split, env, reqs, scratch, inner.topo.rails(), &mut plans);
         }
         Ok(plans)
     }
@@ -258,11 +213,7 @@ impl LbRuntime {
         if alive {
             sp.bad.mark_good(rail, uplink);
         } else {
-            sp.bad.mark_bad(
-                rail,
-                uplink,
-                now_us.saturating_add(self.inner.cfg.ethereal.reset_us),
-            );
+            sp.bad.mark_bad(rail, uplink, now_us.saturating_add(self.inner.cfg.ethereal.reset_us));
         }
     }
 
@@ -279,13 +230,7 @@ impl LbRuntime {
         })
     }
 
-    fn make_policy(
-        &self,
-        rail: u16,
-        dst_leaf: u32,
-        pin: Option<u16>,
-        seed: u64,
-    ) -> Box<dyn PathPolicy> {
+    fn make_policy(&self, rail: u16, dst_leaf: u32, pin: Option<u16>, seed: u64) -> Box<dyn PathPolicy> {
         let inner = &*self.inner;
         let key = (rail, dst_leaf, pin);
         match inner.cfg.path {
@@ -293,17 +238,11 @@ impl LbRuntime {
             PathKind::Ecmp => Box::new(Ecmp::new(seed)),
             PathKind::Reps => Box::new(Reps::new(inner.cfg.reps, seed)),
             PathKind::Pro => {
-                let sh = lock(&inner.pro)
-                    .entry(key)
-                    .or_insert_with(|| ProShared::shared(key_seed(inner.seed, &key) as u32))
-                    .clone();
+                let sh = lock(&inner.pro).entry(key).or_insert_with(|| ProShared::shared(key_seed(inner.seed, &key) as u32)).clone();
                 Box::new(Pro::new(sh))
             }
             PathKind::Dr => {
-                let sh = lock(&inner.dr)
-                    .entry(key)
-                    .or_insert_with(|| DrShared::shared(key_seed(inner.seed, &key)))
-                    .clone();
+                let sh = lock(&inner.dr).entry(key).or_insert_with(|| DrShared::shared(key_seed(inner.seed, &key))).clone();
                 Box::new(Dr::new(sh))
             }
         }
@@ -335,10 +274,7 @@ pub struct FlowPaths {
 
 impl std::fmt::Debug for FlowPaths {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("FlowPaths")
-            .field("rail", &self.rail)
-            .field("dst_leaf", &self.dst_leaf)
-            .finish()
+        f.debug_struct("FlowPaths").field("rail", &self.rail).field("dst_leaf", &self.dst_leaf).finish()
     }
 }
 
@@ -346,19 +282,13 @@ impl FlowPaths {
     fn replay_dead(&self, p: &mut dyn PathPolicy) {
         // A policy created late still learns which entropies the flow was told are dead.
         for e in self.dead.iter() {
-            p.feedback(&Feedback::PathState {
-                entropy: e,
-                alive: false,
-                now_us: 0,
-            });
+            p.feedback(&Feedback::PathState { entropy: e, alive: false, now_us: 0 });
         }
     }
 
     fn unpinned(&mut self) -> &mut Box<dyn PathPolicy> {
         if self.unpinned.is_none() {
-            let mut p = self
-                .rt
-                .make_policy(self.rail, self.dst_leaf, None, self.seed);
+            let mut p = self.rt.make_policy(self.rail, self.dst_leaf, None, self.seed);
             self.replay_dead(p.as_mut());
             self.unpinned = Some(p);
         }
@@ -367,19 +297,10 @@ impl FlowPaths {
 
     fn pinned(&mut self, u: u16) -> &mut Pinned {
         if self.pinned[u as usize].is_none() {
-            let inner = self.rt.make_policy(
-                self.rail,
-                self.dst_leaf,
-                Some(u),
-                mix64(self.seed ^ (u as u64 + 1)),
-            );
+            let inner = self.rt.make_policy(self.rail, self.dst_leaf, Some(u), mix64(self.seed ^ (u as u64 + 1)));
             let rt = self.rt.clone();
             let leaf = self.my_leaf;
-            let mut p = Pinned::new(
-                inner,
-                u,
-                Box::new(move |e| rt.inner.topo.uplink_of_entropy(leaf, e)),
-            );
+            let mut p = Pinned::new(inner, u, Box::new(move |e| rt.inner.topo.uplink_of_entropy(leaf, e)));
             self.replay_dead(&mut p);
             self.pinned[u as usize] = Some(p);
         }
@@ -403,12 +324,8 @@ impl FlowPaths {
     /// Move every sub-flow now on uplink `bad` to a random good uplink other than `bad`.
     fn reroute(&mut self, bad: u16, now_us: u64) {
         let Some(r) = &mut self.ethereal else { return };
-        let good: Vec<u16> = lock(&self.rt.inner.split)
-            .bad
-            .good_uplinks(self.rail, self.uplinks, now_us)
-            .into_iter()
-            .filter(|&u| u != bad)
-            .collect();
+        let good: Vec<u16> =
+            lock(&self.rt.inner.split).bad.good_uplinks(self.rail, self.uplinks, now_us).into_iter().filter(|&u| u != bad).collect();
         if good.is_empty() {
             return;
         }
@@ -465,15 +382,10 @@ impl PathPolicy for FlowPaths {
 
     fn feedback(&mut self, fb: &Feedback) {
         self.dead.apply(fb);
-        let class = fb
-            .entropy()
-            .map(|e| self.rt.inner.topo.uplink_of_entropy(self.my_leaf, e));
+        let class = fb.entropy().map(|e| self.rt.inner.topo.uplink_of_entropy(self.my_leaf, e));
         match fb {
             Feedback::Ack { .. } | Feedback::Nack { .. } => {
-                match class
-                    .and_then(|u| self.pinned.get_mut(u as usize))
-                    .and_then(Option::as_mut)
-                {
+                match class.and_then(|u| self.pinned.get_mut(u as usize)).and_then(Option::as_mut) {
                     Some(p) => p.feedback(fb),
                     None => {
                         if let Some(p) = &mut self.unpinned {
@@ -486,10 +398,7 @@ impl PathPolicy for FlowPaths {
                 if let Some(p) = &mut self.unpinned {
                     p.feedback(fb);
                 }
-                self.pinned
-                    .iter_mut()
-                    .flatten()
-                    .for_each(|p| p.feedback(fb));
+                self.pinned.iter_mut().flatten().for_each(|p| p.feedback(fb));
             }
         }
         if self.ethereal.is_none() {
@@ -499,28 +408,18 @@ impl PathPolicy for FlowPaths {
         let reset = self.rt.inner.cfg.ethereal.reset_us;
         match (*fb, class) {
             (Feedback::Nack { .. }, Some(u)) => self.reroute(u, now),
-            (Feedback::Timeout { .. }, Some(u))
-            | (Feedback::PathState { alive: false, .. }, Some(u)) => {
+            (Feedback::Timeout { .. }, Some(u)) | (Feedback::PathState { alive: false, .. }, Some(u)) => {
                 // Ethereal's failure signal: future batches avoid this uplink until the reset timer fires.
-                lock(&self.rt.inner.split)
-                    .bad
-                    .mark_bad(self.rail, u, now.saturating_add(reset));
+                lock(&self.rt.inner.split).bad.mark_bad(self.rail, u, now.saturating_add(reset));
                 self.reroute(u, now);
             }
-            (Feedback::PathState { alive: true, .. }, Some(u)) => {
-                lock(&self.rt.inner.split).bad.mark_good(self.rail, u)
-            }
+            (Feedback::PathState { alive: true, .. }, Some(u)) => lock(&self.rt.inner.split).bad.mark_good(self.rail, u),
             _ => {}
         }
     }
 
     fn describe_state(&self) -> serde_json::Value {
-        let pinned: Vec<_> = self
-            .pinned
-            .iter()
-            .flatten()
-            .map(|p| p.describe_state())
-            .collect();
+        let pinned: Vec<_> = self.pinned.iter().flatten().map(|p| p.describe_state()).collect();
         serde_json::json!({
             "rail": self.rail,
             "dst_leaf": self.dst_leaf,
@@ -551,12 +450,7 @@ mod tests {
     use crate::config::PathKind;
 
     fn req(dst: usize, len: u64) -> SendReq {
-        SendReq {
-            dst_host: dst,
-            len,
-            flow: 0,
-            home_rail: 0,
-        }
+        SendReq { dst_host: dst, len, flow: 0, home_rail: 0 }
     }
 
     #[test]
@@ -570,28 +464,17 @@ mod tests {
     #[test]
     fn unknown_hosts_are_rejected_when_the_topology_lists_hosts() {
         let topo = Topology::leaf_spine(4, 2, 1, 2).unwrap();
-        assert_eq!(
-            LbConfig::default().runtime(topo.clone(), 9, 0).unwrap_err(),
-            PlanError::UnknownHost { host: 9, known: 4 }
-        );
+        assert_eq!(LbConfig::default().runtime(topo.clone(), 9, 0).unwrap_err(), PlanError::UnknownHost { host: 9, known: 4 });
         let rt = LbConfig::default().runtime(topo, 0, 0).unwrap();
-        assert!(rt
-            .plan(&req(4, 10), 0)
-            .unwrap_err()
-            .to_string()
-            .contains("host 4 is not in the topology"));
+        assert!(rt.plan(&req(4, 10), 0).unwrap_err().to_string().contains("host 4 is not in the topology"));
         // Without a host list any id is a host.
-        let rt = LbConfig::default()
-            .runtime(Topology::single_leaf(2), 12345, 0)
-            .unwrap();
+        let rt = LbConfig::default().runtime(Topology::single_leaf(2), 12345, 0).unwrap();
         assert_eq!(rt.plan(&req(999, 10), 0).unwrap().total_bytes(), 10);
     }
 
     #[test]
     fn a_rail_declared_dead_gets_no_chunks_until_it_comes_back() {
-        let rt = LbConfig::default()
-            .runtime(Topology::single_leaf(4), 0, 0)
-            .unwrap();
+        let rt = LbConfig::default().runtime(Topology::single_leaf(4), 0, 0).unwrap();
         rt.set_rail_alive(2, false);
         let p = rt.plan(&req(1, 1 << 20), 0).unwrap();
         assert_eq!(p.bytes_per_rail(4)[2], 0);
@@ -603,41 +486,20 @@ mod tests {
 
     #[test]
     fn an_empty_message_has_an_empty_plan() {
-        let rt = LbConfig {
-            split: SplitKind::Ethereal,
-            ..LbConfig::default()
-        }
-        .runtime(Topology::leaf_spine(4, 2, 1, 4).unwrap(), 0, 0)
-        .unwrap();
+        let rt = LbConfig { split: SplitKind::Ethereal, ..LbConfig::default() }
+            .runtime(Topology::leaf_spine(4, 2, 1, 4).unwrap(), 0, 0)
+            .unwrap();
         assert!(rt.plan(&req(3, 0), 0).unwrap().chunks.is_empty());
     }
 
     #[test]
     fn the_state_reads_as_json_with_the_configuration() {
-        let cfg = LbConfig {
-            path: PathKind::Pro,
-            split: SplitKind::Ethereal,
-            ..LbConfig::default()
-        };
-        let rt = cfg
-            .runtime(Topology::leaf_spine(4, 2, 2, 4).unwrap(), 0, 0)
-            .unwrap();
+        let cfg = LbConfig { path: PathKind::Pro, split: SplitKind::Ethereal, ..LbConfig::default() };
+        let rt = cfg.runtime(Topology::leaf_spine(4, 2, 2, 4).unwrap(), 0, 0).unwrap();
         rt.plan(&req(3, 1 << 20), 0).unwrap();
         rt.mark_uplink(1, 2, false, 0);
-        let mut p = rt.path_policy(
-            FlowInfo {
-                dst_host: 3,
-                rail: 0,
-            },
-            1,
-        );
-        let ctx = PathCtx {
-            msg: 0, offset: 0,
-            n_paths: 16,
-            retransmit: false,
-            avoid: None,
-            now_us: 0,
-        };
+        let mut p = rt.path_policy(FlowInfo { dst_host: 3, rail: 0 }, 1);
+        let ctx = PathCtx { msg: 0, offset: 0, n_paths: 16, retransmit: false, avoid: None, now_us: 0 };
         p.pick_for(&ctx, Some(1));
         let s = rt.describe_state();
         assert_eq!(s["config"], cfg.describe());
@@ -650,37 +512,16 @@ mod tests {
 
     #[test]
     fn a_burst_through_the_runtime_stays_on_the_pinned_uplink() {
-        let cfg = LbConfig {
-            path: PathKind::Dr,
-            split: SplitKind::Ethereal,
-            ..LbConfig::default()
-        };
-        let rt = cfg
-            .runtime(Topology::leaf_spine(4, 2, 1, 4).unwrap(), 0, 0)
-            .unwrap();
-        let mut p = rt.path_policy(
-            FlowInfo {
-                dst_host: 3,
-                rail: 0,
-            },
-            1,
-        );
-        let ctx = PathCtx {
-            msg: 0, offset: 0,
-            n_paths: 64,
-            retransmit: false,
-            avoid: None,
-            now_us: 0,
-        };
+        let cfg = LbConfig { path: PathKind::Dr, split: SplitKind::Ethereal, ..LbConfig::default() };
+        let rt = cfg.runtime(Topology::leaf_spine(4, 2, 1, 4).unwrap(), 0, 0).unwrap();
+        let mut p = rt.path_policy(FlowInfo { dst_host: 3, rail: 0 }, 1);
+        let ctx = PathCtx { msg: 0, offset: 0, n_paths: 64, retransmit: false, avoid: None, now_us: 0 };
         let mut out = [0u16; 32];
         p.pick_burst(&ctx, Some(3), &mut out);
         assert!(out.iter().all(|&e| e % 4 == 3), "{out:?}");
         // DR over the 16 entropies of uplink 3: 32 packets visit each exactly twice.
         let mut seen = std::collections::HashMap::new();
         out.iter().for_each(|&e| *seen.entry(e).or_insert(0) += 1);
-        assert!(
-            seen.len() == 16 && seen.values().all(|&c| c == 2),
-            "{seen:?}"
-        );
+        assert!(seen.len() == 16 && seen.values().all(|&c| c == 2), "{seen:?}");
     }
 }

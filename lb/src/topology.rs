@@ -83,87 +83,39 @@ struct TopologyFile {
 }
 
 fn invalid(field: impl Into<String>, reason: impl Into<String>) -> TopologyError {
-    TopologyError::Invalid {
-        field: field.into(),
-        reason: reason.into(),
-    }
+    TopologyError::Invalid { field: field.into(), reason: reason.into() }
 }
 
 impl Topology {
     /// The default when no topology file is given: `rails` NICs per host, every host on one leaf (per rail)
     /// with one uplink, so every flow is rack-local and the split layer leaves it whole.
     pub fn single_leaf(rails: u16) -> Self {
-        Self {
-            rails: rails.clamp(1, MAX_RAILS),
-            spines: 1,
-            leaves: vec![Leaf {
-                uplinks: 1,
-                entropy_uplink: None,
-            }],
-            hosts: Vec::new(),
-        }
+        Self { rails: rails.clamp(1, MAX_RAILS), spines: 1, leaves: vec![Leaf { uplinks: 1, entropy_uplink: None }], hosts: Vec::new() }
     }
 
     /// A two-tier leaf-spine: `hosts` hosts, `hosts_per_leaf` under each leaf (host `h` on leaf
     /// `h / hosts_per_leaf` for every rail), each leaf with `uplinks` uplinks to as many spines.
-    pub fn leaf_spine(
-        hosts: usize,
-        hosts_per_leaf: usize,
-        rails: u16,
-        uplinks: u16,
-    ) -> Result<Self, TopologyError> {
+    pub fn leaf_spine(hosts: usize, hosts_per_leaf: usize, rails: u16, uplinks: u16) -> Result<Self, TopologyError> {
         if hosts_per_leaf == 0 {
             return Err(invalid("hosts_per_leaf", "must be at least 1"));
         }
         let n_leaves = hosts.div_ceil(hosts_per_leaf).max(1);
-        let leaves = vec![
-            Leaf {
-                uplinks,
-                entropy_uplink: None
-            };
-            n_leaves
-        ];
-        let hosts = (0..hosts)
-            .map(|h| Host {
-                name: None,
-                leaves: vec![(h / hosts_per_leaf) as u32; rails as usize],
-            })
-            .collect();
+        let leaves = vec![Leaf { uplinks, entropy_uplink: None }; n_leaves];
+        let hosts = (0..hosts).map(|h| Host { name: None, leaves: vec![(h / hosts_per_leaf) as u32; rails as usize] }).collect();
         Self::new(rails, uplinks, leaves, hosts)
     }
 
     /// A rail-optimised fabric (RailS Fig. 3): NIC `r` of every host hangs from leaf `r`, so traffic that
     /// stays on its rail is one switch hop and rack-local.
     pub fn rail_optimised(hosts: usize, rails: u16, uplinks: u16) -> Result<Self, TopologyError> {
-        let leaves = vec![
-            Leaf {
-                uplinks,
-                entropy_uplink: None
-            };
-            rails.max(1) as usize
-        ];
-        let hosts = (0..hosts)
-            .map(|_| Host {
-                name: None,
-                leaves: (0..rails as u32).collect(),
-            })
-            .collect();
+        let leaves = vec![Leaf { uplinks, entropy_uplink: None }; rails.max(1) as usize];
+        let hosts = (0..hosts).map(|_| Host { name: None, leaves: (0..rails as u32).collect() }).collect();
         Self::new(rails, uplinks, leaves, hosts)
     }
 
     /// Build and validate a topology from its parts. Leaf ids are indices into `leaves`.
-    pub fn new(
-        rails: u16,
-        spines: u16,
-        leaves: Vec<Leaf>,
-        hosts: Vec<Host>,
-    ) -> Result<Self, TopologyError> {
-        let t = Self {
-            rails,
-            spines,
-            leaves,
-            hosts,
-        };
+    pub fn new(rails: u16, spines: u16, leaves: Vec<Leaf>, hosts: Vec<Host>) -> Result<Self, TopologyError> {
+        let t = Self { rails, spines, leaves, hosts };
         t.validate()?;
         Ok(t)
     }
@@ -176,67 +128,33 @@ impl Topology {
     ///   "hosts":  [ {"name": "a", "leaves": [0, 0]}, {"name": "b", "leaves": [1, 1]} ] }
     /// ```
     pub fn from_json(text: &str) -> Result<Self, TopologyError> {
-        let f: TopologyFile =
-            serde_json::from_str(text).map_err(|e| TopologyError::Parse(e.to_string()))?;
+        let f: TopologyFile = serde_json::from_str(text).map_err(|e| TopologyError::Parse(e.to_string()))?;
         let rails = f.rails.unwrap_or(1);
         let default_uplinks = f.uplinks.unwrap_or(1);
         if !(1..=MAX_UPLINKS).contains(&default_uplinks) {
-            return Err(invalid(
-                "uplinks",
-                format!("{default_uplinks}: must be between 1 and {MAX_UPLINKS}"),
-            ));
+            return Err(invalid("uplinks", format!("{default_uplinks}: must be between 1 and {MAX_UPLINKS}")));
         }
         let leaves: Vec<Leaf> = match f.leaves {
-            Some(ls) => ls
-                .into_iter()
-                .map(|l| Leaf {
-                    uplinks: l.uplinks.unwrap_or(default_uplinks),
-                    entropy_uplink: l.entropy_uplink,
-                })
-                .collect(),
+            Some(ls) => {
+                ls.into_iter().map(|l| Leaf { uplinks: l.uplinks.unwrap_or(default_uplinks), entropy_uplink: l.entropy_uplink }).collect()
+            }
             None => {
                 // Without a leaf list, the leaves are the ids the hosts name, all with the default uplinks.
-                let max_id = f
-                    .hosts
-                    .iter()
-                    .flat_map(|h| h.leaves.iter().copied())
-                    .max()
-                    .unwrap_or(0);
+                let max_id = f.hosts.iter().flat_map(|h| h.leaves.iter().copied()).max().unwrap_or(0);
                 if max_id >= 1 << 20 {
-                    return Err(invalid(
-                        "hosts[].leaves",
-                        format!("leaf id {max_id}: must be below {}", 1 << 20),
-                    ));
+                    return Err(invalid("hosts[].leaves", format!("leaf id {max_id}: must be below {}", 1 << 20)));
                 }
-                vec![
-                    Leaf {
-                        uplinks: default_uplinks,
-                        entropy_uplink: None
-                    };
-                    max_id as usize + 1
-                ]
+                vec![Leaf { uplinks: default_uplinks, entropy_uplink: None }; max_id as usize + 1]
             }
         };
-        let spines = f
-            .spines
-            .unwrap_or_else(|| leaves.iter().map(|l| l.uplinks).max().unwrap_or(1));
-        let hosts = f
-            .hosts
-            .into_iter()
-            .map(|h| Host {
-                name: h.name,
-                leaves: h.leaves,
-            })
-            .collect();
+        let spines = f.spines.unwrap_or_else(|| leaves.iter().map(|l| l.uplinks).max().unwrap_or(1));
+        let hosts = f.hosts.into_iter().map(|h| Host { name: h.name, leaves: h.leaves }).collect();
         Self::new(rails, spines, leaves, hosts)
     }
 
     fn validate(&self) -> Result<(), TopologyError> {
         if !(1..=MAX_RAILS).contains(&self.rails) {
-            return Err(invalid(
-                "rails",
-                format!("{}: must be between 1 and {MAX_RAILS}", self.rails),
-            ));
+            return Err(invalid("rails", format!("{}: must be between 1 and {MAX_RAILS}", self.rails)));
         }
         if self.spines == 0 {
             return Err(invalid("spines", "0: must be at least 1"));
@@ -246,17 +164,11 @@ impl Topology {
         }
         for (i, l) in self.leaves.iter().enumerate() {
             if !(1..=MAX_UPLINKS).contains(&l.uplinks) {
-                return Err(invalid(
-                    format!("leaves[{i}].uplinks"),
-                    format!("{}: must be between 1 and {MAX_UPLINKS}", l.uplinks),
-                ));
+                return Err(invalid(format!("leaves[{i}].uplinks"), format!("{}: must be between 1 and {MAX_UPLINKS}", l.uplinks)));
             }
             if let Some(map) = &l.entropy_uplink {
                 if map.is_empty() {
-                    return Err(invalid(
-                        format!("leaves[{i}].entropy_uplink"),
-                        "empty: omit it or list one uplink per entropy",
-                    ));
+                    return Err(invalid(format!("leaves[{i}].entropy_uplink"), "empty: omit it or list one uplink per entropy"));
                 }
                 if let Some((e, &u)) = map.iter().enumerate().find(|(_, &u)| u >= l.uplinks) {
                     return Err(invalid(
@@ -270,19 +182,10 @@ impl Topology {
             if host.leaves.len() != self.rails as usize {
                 return Err(invalid(
                     format!("hosts[{h}].leaves"),
-                    format!(
-                        "has {} entries: must list one leaf per rail (rails = {})",
-                        host.leaves.len(),
-                        self.rails
-                    ),
+                    format!("has {} entries: must list one leaf per rail (rails = {})", host.leaves.len(), self.rails),
                 ));
             }
-            if let Some((r, &id)) = host
-                .leaves
-                .iter()
-                .enumerate()
-                .find(|(_, &id)| id as usize >= self.leaves.len())
-            {
+            if let Some((r, &id)) = host.leaves.iter().enumerate().find(|(_, &id)| id as usize >= self.leaves.len()) {
                 return Err(invalid(
                     format!("hosts[{h}].leaves[{r}]"),
                     format!("{id}: no such leaf (leaves are 0..{})", self.leaves.len()),
@@ -324,9 +227,7 @@ impl Topology {
 
     /// The index of the host with this name.
     pub fn host_by_name(&self, name: &str) -> Option<usize> {
-        self.hosts
-            .iter()
-            .position(|h| h.name.as_deref() == Some(name))
+        self.hosts.iter().position(|h| h.name.as_deref() == Some(name))
     }
 
     /// The leaf that NIC `rail` of `host` hangs from; `None` for an unknown host or rail.
@@ -362,9 +263,7 @@ impl Topology {
     /// The entropies in `0..n_paths` that leave `leaf` on `uplink`, in increasing order (may be empty when
     /// there are fewer entropies than uplinks).
     pub fn uplink_entropies(&self, leaf: u32, uplink: u16, n_paths: u16) -> Vec<u16> {
-        (0..n_paths)
-            .filter(|&e| self.uplink_of_entropy(leaf, e) == uplink)
-            .collect()
+        (0..n_paths).filter(|&e| self.uplink_of_entropy(leaf, e) == uplink).collect()
     }
 }
 
@@ -398,10 +297,7 @@ mod tests {
 
     #[test]
     fn missing_leaf_list_is_derived_from_the_hosts() {
-        let t = Topology::from_json(
-            r#"{ "uplinks": 8, "hosts": [ {"leaves": [0]}, {"leaves": [3]} ] }"#,
-        )
-        .unwrap();
+        let t = Topology::from_json(r#"{ "uplinks": 8, "hosts": [ {"leaves": [0]}, {"leaves": [3]} ] }"#).unwrap();
         assert_eq!(t.leaves().len(), 4);
         assert_eq!(t.leaf(3).uplinks, 8);
         assert_eq!(t.spines(), 8);
@@ -409,30 +305,19 @@ mod tests {
 
     #[test]
     fn a_host_with_the_wrong_number_of_leaves_names_the_field() {
-        let err = Topology::from_json(
-            r#"{ "rails": 2, "hosts": [ {"leaves": [0, 0]}, {"leaves": [0]} ] }"#,
-        )
-        .unwrap_err();
+        let err = Topology::from_json(r#"{ "rails": 2, "hosts": [ {"leaves": [0, 0]}, {"leaves": [0]} ] }"#).unwrap_err();
         assert!(err.to_string().contains("hosts[1].leaves"), "{err}");
     }
 
     #[test]
     fn an_entropy_map_entry_beyond_the_uplinks_names_the_field() {
-        let err =
-            Topology::from_json(r#"{ "leaves": [ {"uplinks": 2, "entropy_uplink": [0, 2]} ] }"#)
-                .unwrap_err();
-        assert!(
-            err.to_string().contains("leaves[0].entropy_uplink[1]"),
-            "{err}"
-        );
+        let err = Topology::from_json(r#"{ "leaves": [ {"uplinks": 2, "entropy_uplink": [0, 2]} ] }"#).unwrap_err();
+        assert!(err.to_string().contains("leaves[0].entropy_uplink[1]"), "{err}");
     }
 
     #[test]
     fn an_unknown_leaf_id_names_the_field() {
-        let err = Topology::from_json(
-            r#"{ "leaves": [ {"uplinks": 2} ], "hosts": [ {"leaves": [5]} ] }"#,
-        )
-        .unwrap_err();
+        let err = Topology::from_json(r#"{ "leaves": [ {"uplinks": 2} ], "hosts": [ {"leaves": [5]} ] }"#).unwrap_err();
         assert!(err.to_string().contains("hosts[0].leaves[0]"), "{err}");
     }
 
@@ -444,14 +329,8 @@ mod tests {
 
     #[test]
     fn zero_rails_and_zero_uplinks_are_rejected() {
-        assert!(Topology::from_json(r#"{ "rails": 0 }"#)
-            .unwrap_err()
-            .to_string()
-            .contains("rails"));
-        assert!(Topology::from_json(r#"{ "uplinks": 0 }"#)
-            .unwrap_err()
-            .to_string()
-            .contains("uplinks"));
+        assert!(Topology::from_json(r#"{ "rails": 0 }"#).unwrap_err().to_string().contains("rails"));
+        assert!(Topology::from_json(r#"{ "uplinks": 0 }"#).unwrap_err().to_string().contains("uplinks"));
     }
 
     #[test]

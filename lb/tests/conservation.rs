@@ -9,9 +9,7 @@ use proptest::prelude::*;
 
 use prism_lb::rail::{Lpt, RailPolicy, TieBreak};
 use prism_lb::topology::{Host, Leaf};
-use prism_lb::{
-    FlowInfo, LbConfig, PathCtx, PathKind, PathPolicy, RailKind, SendReq, SplitKind, Topology,
-};
+use prism_lb::{FlowInfo, LbConfig, PathCtx, PathKind, PathPolicy, RailKind, SendReq, SplitKind, Topology};
 
 #[derive(Debug, Clone)]
 struct Case {
@@ -24,86 +22,40 @@ struct Case {
 }
 
 fn topology() -> impl Strategy<Value = Topology> {
-    (
-        1u16..=4,
-        prop::collection::vec(1u16..=16, 1..=3),
-        2usize..=8,
-    )
-        .prop_flat_map(|(rails, ups, hosts)| {
-            let n_leaves = ups.len() as u32;
-            prop::collection::vec(prop::collection::vec(0..n_leaves, rails as usize), hosts)
-                .prop_map(move |ls| {
-                    let leaves = ups
-                        .iter()
-                        .map(|&u| Leaf {
-                            uplinks: u,
-                            entropy_uplink: None,
-                        })
-                        .collect();
-                    let hosts = ls
-                        .into_iter()
-                        .map(|l| Host {
-                            name: None,
-                            leaves: l,
-                        })
-                        .collect();
-                    Topology::new(rails, 16, leaves, hosts).expect("generated topologies are valid")
-                })
+    (1u16..=4, prop::collection::vec(1u16..=16, 1..=3), 2usize..=8).prop_flat_map(|(rails, ups, hosts)| {
+        let n_leaves = ups.len() as u32;
+        prop::collection::vec(prop::collection::vec(0..n_leaves, rails as usize), hosts).prop_map(move |ls| {
+            let leaves = ups.iter().map(|&u| Leaf { uplinks: u, entropy_uplink: None }).collect();
+            let hosts = ls.into_iter().map(|l| Host { name: None, leaves: l }).collect();
+            Topology::new(rails, 16, leaves, hosts).expect("generated topologies are valid")
         })
+    })
 }
 
 fn config() -> impl Strategy<Value = LbConfig> {
-    let rail = prop_oneof![
-        Just(RailKind::Lpt),
-        Just(RailKind::Rr),
-        Just(RailKind::Hash),
-        Just(RailKind::Single)
-    ];
-    let split = prop_oneof![
-        Just(SplitKind::None),
-        Just(SplitKind::Ethereal),
-        (1u16..=8).prop_map(SplitKind::Fixed)
-    ];
-    let path = prop_oneof![
-        Just(PathKind::Spray),
-        Just(PathKind::Ecmp),
-        Just(PathKind::Pro),
-        Just(PathKind::Reps),
-        Just(PathKind::Dr)
-    ];
+    let rail = prop_oneof![Just(RailKind::Lpt), Just(RailKind::Rr), Just(RailKind::Hash), Just(RailKind::Single)];
+    let split = prop_oneof![Just(SplitKind::None), Just(SplitKind::Ethereal), (1u16..=8).prop_map(SplitKind::Fixed)];
+    let path = prop_oneof![Just(PathKind::Spray), Just(PathKind::Ecmp), Just(PathKind::Pro), Just(PathKind::Reps), Just(PathKind::Dr)];
     let tie = prop_oneof![Just(TieBreak::Rotated), Just(TieBreak::Lowest)];
-    (rail, split, path, 256u32..=65536, tie, 0u32..=5).prop_map(
-        |(rail, split, path, chunk_bytes, lpt_tie, jitter)| {
-            let mut c = LbConfig {
-                rail,
-                split,
-                path,
-                chunk_bytes,
-                lpt_tie,
-                ..LbConfig::default()
-            };
-            c.ethereal.jitter_us = jitter;
-            c
-        },
-    )
+    (rail, split, path, 256u32..=65536, tie, 0u32..=5).prop_map(|(rail, split, path, chunk_bytes, lpt_tie, jitter)| {
+        let mut c = LbConfig { rail, split, path, chunk_bytes, lpt_tie, ..LbConfig::default() };
+        c.ethereal.jitter_us = jitter;
+        c
+    })
 }
 
 fn case() -> impl Strategy<Value = Case> {
     (topology(), config(), 1u16..=128, any::<u64>()).prop_flat_map(|(topo, cfg, n_paths, seed)| {
         let hosts = topo.hosts().len();
         let msg = (0..hosts, prop_oneof![0u64..=1000, 0u64..=300_000]);
-        (
-            0..hosts,
-            prop::collection::vec(prop::collection::vec(msg, 1..=6), 1..=3),
-        )
-            .prop_map(move |(host, batches)| Case {
-                topo: topo.clone(),
-                cfg: cfg.clone(),
-                host,
-                batches,
-                n_paths,
-                seed,
-            })
+        (0..hosts, prop::collection::vec(prop::collection::vec(msg, 1..=6), 1..=3)).prop_map(move |(host, batches)| Case {
+            topo: topo.clone(),
+            cfg: cfg.clone(),
+            host,
+            batches,
+            n_paths,
+            seed,
+        })
     })
 }
 

@@ -9,13 +9,7 @@ const PER_ENTROPY: usize = PACKETS / N as usize;
 const SEED: u64 = 2024;
 
 fn ctx(msg: u64) -> PathCtx {
-    PathCtx {
-        msg, offset: 0,
-        n_paths: N,
-        retransmit: false,
-        avoid: None,
-        now_us: 0,
-    }
+    PathCtx { msg, offset: 0, n_paths: N, retransmit: false, avoid: None, now_us: 0 }
 }
 
 fn histogram(p: &mut dyn PathPolicy, packets: usize) -> Vec<usize> {
@@ -27,21 +21,14 @@ fn histogram(p: &mut dyn PathPolicy, packets: usize) -> Vec<usize> {
 }
 
 fn policy(path: PathKind) -> Box<dyn PathPolicy> {
-    LbConfig {
-        path,
-        ..LbConfig::default()
-    }
-    .path_policy(SEED)
+    LbConfig { path, ..LbConfig::default() }.path_policy(SEED)
 }
 
 #[test]
 fn spray_uses_all_64_entropies_within_25_percent_of_256_packets_each() {
     let h = histogram(policy(PathKind::Spray).as_mut(), PACKETS);
     // 256 ± 25% is about ±4 standard deviations of a binomial(16384, 1/64).
-    assert!(
-        h.iter().all(|&c| (192..=320).contains(&c)),
-        "seed {SEED}: {h:?}"
-    );
+    assert!(h.iter().all(|&c| (192..=320).contains(&c)), "seed {SEED}: {h:?}");
 }
 
 #[test]
@@ -64,11 +51,7 @@ fn ecmp_uses_one_entropy_per_message_and_spreads_messages() {
         firsts.insert(e);
     }
     // 64 messages hashed onto 64 entropies: about 64·(1 − 1/e) ≈ 40 distinct, like ECMP collisions.
-    assert!(
-        (30..=50).contains(&firsts.len()),
-        "seed {SEED}: {}",
-        firsts.len()
-    );
+    assert!((30..=50).contains(&firsts.len()), "seed {SEED}: {}", firsts.len());
 }
 
 #[test]
@@ -78,17 +61,8 @@ fn reps_with_8_packets_in_flight_and_clean_acks_recycles_the_8_entropies_it_expl
     let explored: std::collections::HashSet<u16> = in_flight.iter().copied().collect();
     for now in 0..10_000u64 {
         let e = in_flight.pop_front().unwrap();
-        p.feedback(&Feedback::Ack {
-            entropy: e,
-            rtt_us: 10,
-            congested: false,
-            bytes: 4096,
-            now_us: now,
-        });
-        let next = p.pick(&PathCtx {
-            now_us: now,
-            ..ctx(0)
-        });
+        p.feedback(&Feedback::Ack { entropy: e, rtt_us: 10, congested: false, bytes: 4096, now_us: now });
+        let next = p.pick(&PathCtx { now_us: now, ..ctx(0) });
         assert!(explored.contains(&next), "{next} was never explored");
         in_flight.push_back(next);
     }
@@ -102,25 +76,13 @@ fn reps_drops_an_entropy_whose_acks_come_back_congested() {
     let mut hot_after_mark = 0;
     for now in 0..2_000u64 {
         let e = in_flight.pop_front().unwrap();
-        p.feedback(&Feedback::Ack {
-            entropy: e,
-            rtt_us: 10,
-            congested: e == hot,
-            bytes: 4096,
-            now_us: now,
-        });
-        let next = p.pick(&PathCtx {
-            now_us: now,
-            ..ctx(0)
-        });
+        p.feedback(&Feedback::Ack { entropy: e, rtt_us: 10, congested: e == hot, bytes: 4096, now_us: now });
+        let next = p.pick(&PathCtx { now_us: now, ..ctx(0) });
         if now >= 100 && next == hot {
             hot_after_mark += 1;
         }
         in_flight.push_back(next);
     }
     // Only a random exploration can land on it again (1 in 64 per exploration).
-    assert!(
-        hot_after_mark <= 3,
-        "seed {SEED}: entropy {hot} used {hot_after_mark} times"
-    );
+    assert!(hot_after_mark <= 3, "seed {SEED}: entropy {hot} used {hot_after_mark} times");
 }

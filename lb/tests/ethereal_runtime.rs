@@ -5,9 +5,7 @@ use std::collections::{BTreeMap, HashSet};
 
 use prism_lb::split::split_counts;
 use prism_lb::topology::{Host, Leaf};
-use prism_lb::{
-    Feedback, FlowInfo, LbConfig, LbRuntime, PathCtx, PathKind, Plan, SendReq, SplitKind, Topology,
-};
+use prism_lb::{Feedback, FlowInfo, LbConfig, LbRuntime, PathCtx, PathKind, Plan, SendReq, SplitKind, Topology};
 
 const F: u64 = 1 << 20;
 const SEED: u64 = 0x5eed_e7e4;
@@ -15,49 +13,19 @@ const SEED: u64 = 0x5eed_e7e4;
 const LOCAL_PEER: usize = 65;
 
 fn topo(s: u16) -> Topology {
-    let mut hosts = vec![Host {
-        name: None,
-        leaves: vec![0],
-    }];
-    hosts.extend((1..=64).map(|_| Host {
-        name: None,
-        leaves: vec![1],
-    }));
-    hosts.push(Host {
-        name: None,
-        leaves: vec![0],
-    });
-    Topology::new(
-        1,
-        s,
-        vec![
-            Leaf {
-                uplinks: s,
-                entropy_uplink: None
-            };
-            2
-        ],
-        hosts,
-    )
-    .unwrap()
+    let mut hosts = vec![Host { name: None, leaves: vec![0] }];
+    hosts.extend((1..=64).map(|_| Host { name: None, leaves: vec![1] }));
+    hosts.push(Host { name: None, leaves: vec![0] });
+    Topology::new(1, s, vec![Leaf { uplinks: s, entropy_uplink: None }; 2], hosts).unwrap()
 }
 
 fn runtime(s: u16, path: PathKind) -> LbRuntime {
-    let cfg = LbConfig {
-        split: SplitKind::Ethereal,
-        path,
-        ..LbConfig::default()
-    };
+    let cfg = LbConfig { split: SplitKind::Ethereal, path, ..LbConfig::default() };
     cfg.runtime(topo(s), 0, SEED).unwrap()
 }
 
 fn req(dst: usize, len: u64) -> SendReq {
-    SendReq {
-        dst_host: dst,
-        len,
-        flow: dst as u64,
-        home_rail: 0,
-    }
+    SendReq { dst_host: dst, len, flow: dst as u64, home_rail: 0 }
 }
 
 fn bytes_per_uplink(plans: &[Plan], s: usize) -> Vec<u64> {
@@ -69,11 +37,7 @@ fn bytes_per_uplink(plans: &[Plan], s: usize) -> Vec<u64> {
 }
 
 fn subflows(p: &Plan) -> usize {
-    p.chunks
-        .iter()
-        .map(|c| (c.rail, c.subflow))
-        .collect::<HashSet<_>>()
-        .len()
+    p.chunks.iter().map(|c| (c.rail, c.subflow)).collect::<HashSet<_>>().len()
 }
 
 #[test]
@@ -85,10 +49,7 @@ fn every_uplink_carries_exactly_n_f_over_s_for_n_1_to_64_and_s_2_4_8_16() {
             let plans = rt.plan_batch(&reqs, 0).unwrap();
             let want = n as u64 * F / s as u64;
             let per = bytes_per_uplink(&plans, s as usize);
-            assert!(
-                per.iter().all(|&b| b == want),
-                "seed {SEED:#x}, n = {n}, s = {s}: {per:?}, want {want} each"
-            );
+            assert!(per.iter().all(|&b| b == want), "seed {SEED:#x}, n = {n}, s = {s}: {per:?}, want {want} each");
         }
     }
 }
@@ -102,24 +63,11 @@ fn a_batch_has_the_sub_flow_count_of_algorithm_1() {
             let reqs: Vec<_> = (1..=n).map(|d| req(d, F)).collect();
             let plans = rt.plan_batch(&reqs, 0).unwrap();
             let got: usize = plans.iter().map(subflows).sum();
-            assert_eq!(
-                got,
-                split_counts(n, s as usize).subflows,
-                "n = {n}, s = {s}"
-            );
+            assert_eq!(got, split_counts(n, s as usize).subflows, "n = {n}, s = {s}");
         }
     }
     let rt = runtime(16, PathKind::Spray);
-    for (n, total) in [
-        (1usize, 16usize),
-        (3, 48),
-        (5, 80),
-        (12, 48),
-        (15, 240),
-        (16, 16),
-        (17, 32),
-        (24, 32),
-    ] {
+    for (n, total) in [(1usize, 16usize), (3, 48), (5, 80), (12, 48), (15, 240), (16, 16), (17, 32), (24, 32)] {
         let reqs: Vec<_> = (1..=n).map(|d| req(d, F)).collect();
         let got: usize = rt.plan_batch(&reqs, 0).unwrap().iter().map(subflows).sum();
         assert_eq!(got, total, "n = {n}");
@@ -142,25 +90,14 @@ fn rack_local_flows_are_sent_whole_and_at_once() {
     let rt = runtime(16, PathKind::Spray);
     let p = rt.plan(&req(LOCAL_PEER, 3 * F + 5), 0).unwrap();
     assert_eq!(p.total_bytes(), 3 * F + 5);
-    assert!(
-        p.chunks
-            .iter()
-            .all(|c| c.uplink.is_none() && c.subflow == 0 && c.start_after_us == 0),
-        "{:?}",
-        &p.chunks[..2]
-    );
+    assert!(p.chunks.iter().all(|c| c.uplink.is_none() && c.subflow == 0 && c.start_after_us == 0), "{:?}", &p.chunks[..2]);
 }
 
 #[test]
 fn sub_flows_start_within_the_jitter_bound_and_not_all_at_once() {
     let rt = runtime(16, PathKind::Spray);
-    let plans = rt
-        .plan_batch(&(1..=8).map(|d| req(d, F)).collect::<Vec<_>>(), 0)
-        .unwrap();
-    let starts: HashSet<u32> = plans
-        .iter()
-        .flat_map(|p| p.chunks.iter().map(|c| c.start_after_us))
-        .collect();
+    let plans = rt.plan_batch(&(1..=8).map(|d| req(d, F)).collect::<Vec<_>>(), 0).unwrap();
+    let starts: HashSet<u32> = plans.iter().flat_map(|p| p.chunks.iter().map(|c| c.start_after_us)).collect();
     assert!(starts.iter().all(|&s| s <= 2), "{starts:?}");
     assert!(starts.len() > 1, "{starts:?}");
 }
@@ -171,11 +108,7 @@ fn the_plan_serves_the_sub_flows_round_robin() {
     // hold one chunk of each (Ethereal's assumption A3, uniform round-robin service).
     let rt = runtime(16, PathKind::Spray);
     let p = rt.plan(&req(1, F), 0).unwrap();
-    assert_eq!(
-        p.chunks.len(),
-        32,
-        "1 MiB = 16 pieces of 64 KiB = 32 chunks of 32 KiB"
-    );
+    assert_eq!(p.chunks.len(), 32, "1 MiB = 16 pieces of 64 KiB = 32 chunks of 32 KiB");
     for w in p.chunks.chunks(16) {
         let ups: HashSet<_> = w.iter().map(|c| c.uplink).collect();
         assert_eq!(ups.len(), 16, "{w:?}");
@@ -187,64 +120,29 @@ fn a_bad_uplink_gets_nothing_until_the_reset_timer_fires() {
     let rt = runtime(4, PathKind::Spray);
     rt.mark_uplink(0, 3, false, 100);
     // 3 flows over the 3 good uplinks: one whole flow each.
-    let per = bytes_per_uplink(
-        &rt.plan_batch(&(1..=3).map(|d| req(d, F)).collect::<Vec<_>>(), 200)
-            .unwrap(),
-        4,
-    );
+    let per = bytes_per_uplink(&rt.plan_batch(&(1..=3).map(|d| req(d, F)).collect::<Vec<_>>(), 200).unwrap(), 4);
     assert_eq!(per, vec![F, F, F, 0]);
     // The default reset timer is 10 ms.
-    let per = bytes_per_uplink(
-        &rt.plan_batch(
-            &(1..=4).map(|d| req(d, F)).collect::<Vec<_>>(),
-            100 + 10_000,
-        )
-        .unwrap(),
-        4,
-    );
+    let per = bytes_per_uplink(&rt.plan_batch(&(1..=4).map(|d| req(d, F)).collect::<Vec<_>>(), 100 + 10_000).unwrap(), 4);
     assert_eq!(per, vec![F; 4]);
 }
 
 fn ctx(msg: u64, now_us: u64) -> PathCtx {
-    PathCtx {
-        msg, offset: 0,
-        n_paths: 64,
-        retransmit: false,
-        avoid: None,
-        now_us,
-    }
+    PathCtx { msg, offset: 0, n_paths: 64, retransmit: false, avoid: None, now_us }
 }
 
 #[test]
 fn pinned_chunks_only_use_entropies_of_their_uplink_under_every_path_policy() {
-    for path in [
-        PathKind::Spray,
-        PathKind::Ecmp,
-        PathKind::Pro,
-        PathKind::Reps,
-        PathKind::Dr,
-    ] {
+    for path in [PathKind::Spray, PathKind::Ecmp, PathKind::Pro, PathKind::Reps, PathKind::Dr] {
         let rt = runtime(4, path);
-        let plans = rt
-            .plan_batch(&(1..=3).map(|d| req(d, F)).collect::<Vec<_>>(), 0)
-            .unwrap();
+        let plans = rt.plan_batch(&(1..=3).map(|d| req(d, F)).collect::<Vec<_>>(), 0).unwrap();
         for (i, p) in plans.iter().enumerate() {
-            let mut pol = rt.path_policy(
-                FlowInfo {
-                    dst_host: i + 1,
-                    rail: 0,
-                },
-                SEED + i as u64,
-            );
+            let mut pol = rt.path_policy(FlowInfo { dst_host: i + 1, rail: 0 }, SEED + i as u64);
             for c in &p.chunks {
                 for _ in 0..8 {
                     let e = pol.pick_for(&ctx(0, 0), c.uplink);
                     assert!(e < 64);
-                    assert_eq!(
-                        Some(rt.topology().uplink_of_entropy(0, e)),
-                        c.uplink,
-                        "{path:?}"
-                    );
+                    assert_eq!(Some(rt.topology().uplink_of_entropy(0, e)), c.uplink, "{path:?}");
                 }
             }
         }
@@ -254,22 +152,11 @@ fn pinned_chunks_only_use_entropies_of_their_uplink_under_every_path_policy() {
 #[test]
 fn a_nack_moves_the_sub_flow_to_another_uplink_for_the_rest_of_its_message() {
     let rt = runtime(4, PathKind::Spray);
-    let mut pol = rt.path_policy(
-        FlowInfo {
-            dst_host: 1,
-            rail: 0,
-        },
-        SEED,
-    );
+    let mut pol = rt.path_policy(FlowInfo { dst_host: 1, rail: 0 }, SEED);
     let e = pol.pick_for(&ctx(0, 10), Some(2));
     assert_eq!(e % 4, 2);
-    pol.feedback(&Feedback::Nack {
-        entropy: e,
-        now_us: 11,
-    });
-    let moved: HashSet<u16> = (0..50)
-        .map(|_| pol.pick_for(&ctx(0, 12), Some(2)) % 4)
-        .collect();
+    pol.feedback(&Feedback::Nack { entropy: e, now_us: 11 });
+    let moved: HashSet<u16> = (0..50).map(|_| pol.pick_for(&ctx(0, 12), Some(2)) % 4).collect();
     assert_eq!(moved.len(), 1, "one new uplink for the sub-flow: {moved:?}");
     assert!(!moved.contains(&2));
     // The next message's sub-flow pinned to uplink 2 uses it again (a NACK does not mark it bad).
@@ -279,53 +166,22 @@ fn a_nack_moves_the_sub_flow_to_another_uplink_for_the_rest_of_its_message() {
 #[test]
 fn a_timeout_marks_the_uplink_bad_for_the_next_batches() {
     let rt = runtime(4, PathKind::Spray);
-    let mut pol = rt.path_policy(
-        FlowInfo {
-            dst_host: 1,
-            rail: 0,
-        },
-        SEED,
-    );
+    let mut pol = rt.path_policy(FlowInfo { dst_host: 1, rail: 0 }, SEED);
     let e = pol.pick_for(&ctx(0, 10), Some(1));
-    pol.feedback(&Feedback::Timeout {
-        entropy: Some(e),
-        max_rtt_us: 10,
-        base_rtt_us: 10,
-        now_us: 20,
-    });
-    let per = bytes_per_uplink(
-        &rt.plan_batch(&(1..=3).map(|d| req(d, F)).collect::<Vec<_>>(), 30)
-            .unwrap(),
-        4,
-    );
+    pol.feedback(&Feedback::Timeout { entropy: Some(e), max_rtt_us: 10, base_rtt_us: 10, now_us: 20 });
+    let per = bytes_per_uplink(&rt.plan_batch(&(1..=3).map(|d| req(d, F)).collect::<Vec<_>>(), 30).unwrap(), 4);
     assert_eq!(per[1], 0, "{per:?}");
     // The path coming back alive clears the mark at once.
-    pol.feedback(&Feedback::PathState {
-        entropy: e,
-        alive: true,
-        now_us: 40,
-    });
-    let per = bytes_per_uplink(
-        &rt.plan_batch(&(1..=4).map(|d| req(d, F)).collect::<Vec<_>>(), 50)
-            .unwrap(),
-        4,
-    );
+    pol.feedback(&Feedback::PathState { entropy: e, alive: true, now_us: 40 });
+    let per = bytes_per_uplink(&rt.plan_batch(&(1..=4).map(|d| req(d, F)).collect::<Vec<_>>(), 50).unwrap(), 4);
     assert_eq!(per, vec![F; 4]);
 }
 
 #[test]
 fn a_batcher_from_the_configuration_feeds_plan_batch() {
-    let vars: BTreeMap<String, String> = [
-        ("PRISM_SPLIT", "ethereal"),
-        ("PRISM_ETHEREAL_BATCH_US", "5"),
-    ]
-    .iter()
-    .map(|(k, v)| (k.to_string(), v.to_string()))
-    .collect();
-    let rt = LbConfig::from_vars(&vars)
-        .unwrap()
-        .runtime(topo(4), 0, SEED)
-        .unwrap();
+    let vars: BTreeMap<String, String> =
+        [("PRISM_SPLIT", "ethereal"), ("PRISM_ETHEREAL_BATCH_US", "5")].iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
+    let rt = LbConfig::from_vars(&vars).unwrap().runtime(topo(4), 0, SEED).unwrap();
     let mut b = rt.batcher::<u32>();
     for d in 1..=4u32 {
         assert!(b.push(d, req(d as usize, F), 100 + d as u64).is_empty());

@@ -8,45 +8,20 @@ const M: u16 = 16;
 
 /// 4 leaves of 8 hosts; host 0 sends.
 fn runtime(path: PathKind) -> LbRuntime {
-    let cfg = LbConfig {
-        path,
-        ..LbConfig::default()
-    };
-    cfg.runtime(Topology::leaf_spine(32, 8, 1, 16).unwrap(), 0, SEED)
-        .unwrap()
+    let cfg = LbConfig { path, ..LbConfig::default() };
+    cfg.runtime(Topology::leaf_spine(32, 8, 1, 16).unwrap(), 0, SEED).unwrap()
 }
 
 fn ctx() -> PathCtx {
-    PathCtx {
-        msg: 0, offset: 0,
-        n_paths: M,
-        retransmit: false,
-        avoid: None,
-        now_us: 0,
-    }
+    PathCtx { msg: 0, offset: 0, n_paths: M, retransmit: false, avoid: None, now_us: 0 }
 }
 
 fn policies(rt: &LbRuntime, hosts: &[usize]) -> Vec<Box<dyn PathPolicy>> {
-    hosts
-        .iter()
-        .map(|&h| {
-            rt.path_policy(
-                FlowInfo {
-                    dst_host: h,
-                    rail: 0,
-                },
-                SEED ^ h as u64,
-            )
-        })
-        .collect()
+    hosts.iter().map(|&h| rt.path_policy(FlowInfo { dst_host: h, rail: 0 }, SEED ^ h as u64)).collect()
 }
 
 /// `rounds` rounds, one pick per flow per round; after each flow pick, `noise` picks a packet to another leaf.
-fn run(
-    flows: &mut [Box<dyn PathPolicy>],
-    noise: &mut Option<Box<dyn PathPolicy>>,
-    rounds: usize,
-) -> Vec<Vec<u16>> {
+fn run(flows: &mut [Box<dyn PathPolicy>], noise: &mut Option<Box<dyn PathPolicy>>, rounds: usize) -> Vec<Vec<u16>> {
     (0..rounds)
         .map(|_| {
             flows
@@ -83,19 +58,9 @@ fn pro_flows_to_hosts_under_one_leaf_take_consecutive_paths_every_round() {
 
 #[test]
 fn pro_traffic_to_another_leaf_does_not_disturb_a_leafs_counter() {
-    let quiet = run(
-        &mut policies(&runtime(PathKind::Pro), &[8, 9]),
-        &mut None,
-        20,
-    );
+    let quiet = run(&mut policies(&runtime(PathKind::Pro), &[8, 9]), &mut None, 20);
     let rt = runtime(PathKind::Pro);
-    let mut noise = Some(rt.path_policy(
-        FlowInfo {
-            dst_host: 16,
-            rail: 0,
-        },
-        1,
-    ));
+    let mut noise = Some(rt.path_policy(FlowInfo { dst_host: 16, rail: 0 }, 1));
     let noisy = run(&mut policies(&rt, &[8, 9]), &mut noise, 20);
     assert_eq!(quiet, noisy);
 }
@@ -103,11 +68,7 @@ fn pro_traffic_to_another_leaf_does_not_disturb_a_leafs_counter() {
 #[test]
 fn dr_flows_to_one_leaf_share_a_rotation_covering_every_path_once_per_m_packets() {
     let rt = runtime(PathKind::Dr);
-    let r = run(
-        &mut policies(&rt, &[8, 9, 10, 11]),
-        &mut None,
-        2 * M as usize,
-    );
+    let r = run(&mut policies(&rt, &[8, 9, 10, 11]), &mut None, 2 * M as usize);
     let all: Vec<u16> = r.into_iter().flatten().collect();
     for w in all.chunks(M as usize) {
         let mut s = w.to_vec();
@@ -118,19 +79,9 @@ fn dr_flows_to_one_leaf_share_a_rotation_covering_every_path_once_per_m_packets(
 
 #[test]
 fn dr_keeps_one_pointer_per_destination_leaf() {
-    let quiet = run(
-        &mut policies(&runtime(PathKind::Dr), &[8, 9]),
-        &mut None,
-        20,
-    );
+    let quiet = run(&mut policies(&runtime(PathKind::Dr), &[8, 9]), &mut None, 20);
     let rt = runtime(PathKind::Dr);
-    let mut noise = Some(rt.path_policy(
-        FlowInfo {
-            dst_host: 24,
-            rail: 0,
-        },
-        1,
-    ));
+    let mut noise = Some(rt.path_policy(FlowInfo { dst_host: 24, rail: 0 }, 1));
     let noisy = run(&mut policies(&rt, &[8, 9]), &mut noise, 20);
     assert_eq!(quiet, noisy);
 }
@@ -139,19 +90,8 @@ fn dr_keeps_one_pointer_per_destination_leaf() {
 fn pro_and_dr_start_leaves_at_different_offsets() {
     for path in [PathKind::Pro, PathKind::Dr] {
         let rt = runtime(path);
-        let firsts: std::collections::HashSet<u16> = [1usize, 8, 16, 24]
-            .iter()
-            .map(|&h| {
-                rt.path_policy(
-                    FlowInfo {
-                        dst_host: h,
-                        rail: 0,
-                    },
-                    0,
-                )
-                .pick(&ctx())
-            })
-            .collect();
+        let firsts: std::collections::HashSet<u16> =
+            [1usize, 8, 16, 24].iter().map(|&h| rt.path_policy(FlowInfo { dst_host: h, rail: 0 }, 0).pick(&ctx())).collect();
         assert!(firsts.len() >= 3, "{path:?}: {firsts:?}");
     }
 }

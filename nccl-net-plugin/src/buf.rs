@@ -55,10 +55,7 @@ impl HostRecvBuf {
 /// Panics unless `offset..offset + n` lies within `0..len`.
 fn check_range(what: &str, offset: usize, n: usize, len: usize) {
     let end = offset.checked_add(n);
-    assert!(
-        matches!(end, Some(e) if e <= len),
-        "engine asked to {what} {n} bytes at offset {offset} of a {len}-byte buffer"
-    );
+    assert!(matches!(end, Some(e) if e <= len), "engine asked to {what} {n} bytes at offset {offset} of a {len}-byte buffer");
 }
 
 impl SendBuf for HostSendBuf {

@@ -100,15 +100,10 @@ where
     /// Moves a new comm to the heap and returns the pointer NCCL will hold. The request tokens point
     /// back at the comm, so they are made once its address is fixed.
     pub fn into_raw(net: Arc<NetState>, engine: E, kind: CommKind) -> *mut c_void {
-        let obj = CommObj {
-            net,
-            inner: Mutex::new(Inner { engine, pool: RequestPool::new(kind.pool_size()) }),
-            tokens: Box::new([]),
-        };
+        let obj = CommObj { net, inner: Mutex::new(Inner { engine, pool: RequestPool::new(kind.pool_size()) }), tokens: Box::new([]) };
         let raw = Tagged::into_raw(obj);
-        let tokens: Box<[Tagged<RequestToken>]> = (0..kind.pool_size())
-            .map(|i| Tagged::new(RequestToken { comm: raw.cast_const(), kind, index: i as u16 }))
-            .collect();
+        let tokens: Box<[Tagged<RequestToken>]> =
+            (0..kind.pool_size()).map(|i| Tagged::new(RequestToken { comm: raw.cast_const(), kind, index: i as u16 })).collect();
         // SAFETY: `raw` came from Box::into_raw just above and has not been shared yet, so this is the
         // only access; assigning through the raw pointer replaces the empty token slice.
         unsafe { (*raw.cast::<Tagged<Self>>()).value.tokens = tokens };

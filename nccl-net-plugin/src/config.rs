@@ -95,10 +95,7 @@ impl PluginConfig {
         let known = known_vars();
         let unknown: Vec<&str> = vars.keys().map(String::as_str).filter(|k| !known.contains(k)).collect();
         if !unknown.is_empty() {
-            return Err(PluginError::UnknownVars {
-                names: unknown.join(", "),
-                known: known.into_iter().collect::<Vec<_>>().join(", "),
-            });
+            return Err(PluginError::UnknownVars { names: unknown.join(", "), known: known.into_iter().collect::<Vec<_>>().join(", ") });
         }
         let transport = TransportConfig::from_vars(&vars)?;
         let lb = LbConfig::from_vars(&vars)?;

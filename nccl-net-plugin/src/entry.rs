@@ -223,12 +223,7 @@ pub unsafe extern "C" fn get_properties_v12(dev: c_int, props: *mut PropertiesV1
 ///
 /// # Safety
 /// `handle` must be NULL or `NCCL_NET_HANDLE_MAXSIZE` writable bytes; `listen_comm` NULL or writable.
-unsafe fn listen_on(
-    net: Arc<NetState>,
-    dev: c_int,
-    handle: *mut c_void,
-    listen_comm: *mut *mut c_void,
-) -> Result<(), PluginError> {
+unsafe fn listen_on(net: Arc<NetState>, dev: c_int, handle: *mut c_void, listen_comm: *mut *mut c_void) -> Result<(), PluginError> {
     // SAFETY: forwarded contract.
     let out = unsafe { out_ptr(listen_comm, "listenComm") }?;
     // SAFETY: forwarded contract.
@@ -252,12 +247,7 @@ pub unsafe extern "C" fn listen_v9(dev: c_int, handle: *mut c_void, listen_comm:
 ///
 /// # Safety
 /// As NCCL calls it: every pointer NULL or valid as the ABI documents this slot (see the module doc).
-pub unsafe extern "C" fn listen_v11(
-    ctx: *mut c_void,
-    dev: c_int,
-    handle: *mut c_void,
-    listen_comm: *mut *mut c_void,
-) -> NcclResult {
+pub unsafe extern "C" fn listen_v11(ctx: *mut c_void, dev: c_int, handle: *mut c_void, listen_comm: *mut *mut c_void) -> NcclResult {
     guard("listen", || {
         // SAFETY: NCCL passes a context `init` returned.
         let net = unsafe { Tagged::<Context>::from_ptr(ctx, "ctx") }?.net.clone();
@@ -343,11 +333,7 @@ pub unsafe extern "C" fn connect_v11(
 ///
 /// # Safety
 /// As NCCL calls it: every pointer NULL or valid as the ABI documents this slot (see the module doc).
-pub unsafe extern "C" fn accept(
-    listen_comm: *mut c_void,
-    recv_comm: *mut *mut c_void,
-    dev_comm: *mut *mut DeviceHandle,
-) -> NcclResult {
+pub unsafe extern "C" fn accept(listen_comm: *mut c_void, recv_comm: *mut *mut c_void, dev_comm: *mut *mut DeviceHandle) -> NcclResult {
     guard("accept", || {
         // SAFETY: NCCL passes NULL or a writable device-handle slot.
         unsafe { no_dev_comm(dev_comm) };
@@ -411,13 +397,7 @@ unsafe fn register(comm: *mut c_void, data: *mut c_void, size: usize, kind: c_in
 ///
 /// # Safety
 /// As NCCL calls it: every pointer NULL or valid as the ABI documents this slot (see the module doc).
-pub unsafe extern "C" fn reg_mr(
-    comm: *mut c_void,
-    data: *mut c_void,
-    size: usize,
-    kind: c_int,
-    mhandle: *mut *mut c_void,
-) -> NcclResult {
+pub unsafe extern "C" fn reg_mr(comm: *mut c_void, data: *mut c_void, size: usize, kind: c_int, mhandle: *mut *mut c_void) -> NcclResult {
     // SAFETY: NCCL passes a comm it got from us and a writable out-pointer.
     guard("regMr", || unsafe { register(comm, data, size, kind, mhandle) })
 }

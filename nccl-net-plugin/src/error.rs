@@ -7,9 +7,7 @@
 
 use prism_transport::engine::TransportError;
 
-use crate::abi::{
-    NcclResult, NCCL_INTERNAL_ERROR, NCCL_INVALID_ARGUMENT, NCCL_INVALID_USAGE, NCCL_REMOTE_ERROR, NCCL_SYSTEM_ERROR,
-};
+use crate::abi::{NcclResult, NCCL_INTERNAL_ERROR, NCCL_INVALID_ARGUMENT, NCCL_INVALID_USAGE, NCCL_REMOTE_ERROR, NCCL_SYSTEM_ERROR};
 
 /// Everything an entry point can fail with. Each message says what was wrong.
 #[derive(Debug, thiserror::Error)]

@@ -196,9 +196,7 @@ impl Sink for NcclSink {
                 let line = c_int::try_from(record.line).unwrap_or(c_int::MAX);
                 // SAFETY: `logger` is NCCL's printf-style logger; the format is the literal "%s" and its
                 // one argument is a NUL-terminated string that outlives the call.
-                unsafe {
-                    logger(record.level, record.flags, file.as_ptr(), line, c"%s".as_ptr(), msg.as_ptr() as *const c_char)
-                };
+                unsafe { logger(record.level, record.flags, file.as_ptr(), line, c"%s".as_ptr(), msg.as_ptr() as *const c_char) };
             }
             None if record.level == LOG_WARN => eprintln!("prism WARN {text}"),
             None => {}

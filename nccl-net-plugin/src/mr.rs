@@ -83,10 +83,7 @@ impl MemRegion {
         if inside {
             Ok(())
         } else {
-            Err(invalid(format!(
-                "buffer {data:#x} + {len} lies outside its memory handle's range {:#x} + {}",
-                self.base, self.len
-            )))
+            Err(invalid(format!("buffer {data:#x} + {len} lies outside its memory handle's range {:#x} + {}", self.base, self.len)))
         }
     }
 }

@@ -46,9 +46,7 @@ fn run(version: &str) {
     let stats_dir = common::scratch_dir().join(format!("stats-{version}"));
     let _ = std::fs::remove_dir_all(&stats_dir);
     std::fs::create_dir_all(&stats_dir).expect("stats directory");
-    cmd.env("PRISM_IFNAMES", "lo")
-        .env("PRISM_STATS", stats_dir.join("prism-%p.json"))
-        .env("PROXY_TEST_TIMEOUT_S", "120");
+    cmd.env("PRISM_IFNAMES", "lo").env("PRISM_STATS", stats_dir.join("prism-%p.json")).env("PROXY_TEST_TIMEOUT_S", "120");
     let out = cmd.output().expect("run proxy_test");
     let stdout = String::from_utf8_lossy(&out.stdout);
     let stderr = String::from_utf8_lossy(&out.stderr);

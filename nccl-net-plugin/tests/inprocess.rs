@@ -6,7 +6,7 @@
 use std::ffi::{c_int, c_void};
 use std::ptr::null_mut;
 
-use nccl_net_prism::abi::{PTR_HOST, NCCL_SUCCESS};
+use nccl_net_prism::abi::{NCCL_SUCCESS, PTR_HOST};
 use nccl_net_prism::exports::ncclNetPlugin_v12 as NET;
 use nccl_net_prism::global;
 use nccl_net_prism::requests::SEND_POOL_SIZE as POOL_SIZE;
@@ -210,9 +210,7 @@ fn a_memory_handle_covers_only_its_range() {
     let mut req = null_mut();
     // 2048 bytes starting at byte 1024 reach 1024 bytes past the registered 2048.
     // SAFETY: isend contract; the call is refused before anything is posted.
-    let rc = unsafe {
-        NET.isend.unwrap()(send, buf.as_ptr().add(1024) as *mut c_void, 2048, 0, mh, null_mut(), &mut req)
-    };
+    let rc = unsafe { NET.isend.unwrap()(send, buf.as_ptr().add(1024) as *mut c_void, 2048, 0, mh, null_mut(), &mut req) };
     assert_eq!(rc, 3, "a buffer outside its mhandle is NCCL misuse (ncclInternalError)");
     assert!(req.is_null());
     // SAFETY: the handle regMr returned, deregistered once.

@@ -9,8 +9,8 @@ use std::mem::{offset_of, size_of};
 use std::process::Command;
 
 use nccl_net_prism::abi::{
-    CommConfig, DeviceHandle, NetAttr, NetV10, NetV11, NetV12, NetV9, PropertiesV11, PropertiesV12, PropertiesV9,
-    VDevicePropsV12, VDevicePropsV9,
+    CommConfig, DeviceHandle, NetAttr, NetV10, NetV11, NetV12, NetV9, PropertiesV11, PropertiesV12, PropertiesV9, VDevicePropsV12,
+    VDevicePropsV9,
 };
 
 fn c_layout() -> BTreeMap<(String, String), usize> {

@@ -92,9 +92,7 @@ fn default_route_ifname() -> String {
 /// `subsystem` is the PCI bus.
 fn expected_pci_path(ifname: &str) -> Option<String> {
     let real = std::fs::canonicalize(format!("/sys/class/net/{ifname}/device")).ok()?;
-    let on_pci = |d: &Path| {
-        std::fs::canonicalize(d.join("subsystem")).is_ok_and(|s| s.file_name().is_some_and(|n| n == "pci"))
-    };
+    let on_pci = |d: &Path| std::fs::canonicalize(d.join("subsystem")).is_ok_and(|s| s.file_name().is_some_and(|n| n == "pci"));
     real.ancestors().find(|d| on_pci(d)).map(|d| d.to_str().unwrap().to_string())
 }
 

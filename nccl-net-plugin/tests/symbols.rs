@@ -9,11 +9,8 @@ use std::process::Command;
 const TABLES: [&str; 4] = ["ncclNetPlugin_v12", "ncclNetPlugin_v11", "ncclNetPlugin_v10", "ncclNetPlugin_v9"];
 
 fn nm(args: &[&str]) -> String {
-    let out = Command::new("nm")
-        .args(args)
-        .arg(common::plugin_path())
-        .output()
-        .expect("nm (binutils) is needed to inspect the plugin's symbols");
+    let out =
+        Command::new("nm").args(args).arg(common::plugin_path()).output().expect("nm (binutils) is needed to inspect the plugin's symbols");
     assert!(out.status.success(), "nm failed: {}", String::from_utf8_lossy(&out.stderr));
     String::from_utf8_lossy(&out.stdout).into_owned()
 }
@@ -47,10 +44,8 @@ fn dlopen_with_rtld_now_finds_every_table_named_prism() {
 
 #[test]
 fn exactly_the_four_tables_are_exported() {
-    let mut defined: Vec<String> = nm(&["-D", "--defined-only"])
-        .lines()
-        .filter_map(|l| l.split_whitespace().nth(2).map(str::to_owned))
-        .collect();
+    let mut defined: Vec<String> =
+        nm(&["-D", "--defined-only"]).lines().filter_map(|l| l.split_whitespace().nth(2).map(str::to_owned)).collect();
     defined.sort();
     let mut want: Vec<String> = TABLES.iter().map(|s| s.to_string()).collect();
     want.sort();
@@ -75,11 +70,8 @@ fn every_undefined_symbol_comes_from_libc_libgcc_or_the_loader() {
 fn only_libc_libgcc_and_the_loader_are_needed() {
     let out = Command::new("readelf").arg("-d").arg(common::plugin_path()).output().expect("readelf (binutils)");
     let text = String::from_utf8_lossy(&out.stdout);
-    let needed: Vec<&str> = text
-        .lines()
-        .filter(|l| l.contains("(NEEDED)"))
-        .filter_map(|l| l.split('[').nth(1).and_then(|s| s.split(']').next()))
-        .collect();
+    let needed: Vec<&str> =
+        text.lines().filter(|l| l.contains("(NEEDED)")).filter_map(|l| l.split('[').nth(1).and_then(|s| s.split(']').next())).collect();
     assert!(!needed.is_empty(), "readelf found no NEEDED entries:\n{text}");
     for lib in &needed {
         let ok = lib.starts_with("libc.so") || lib.starts_with("libgcc_s.so") || lib.starts_with("ld-linux");

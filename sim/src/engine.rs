@@ -12,9 +12,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use prism_lb::{CcKind, FlowInfo, LbConfig, LbRuntime, MessageSample, RailKind, SendReq};
-use prism_transport::proto::{
-    Completion, Connection, MsgId, PayloadSource, Placer, ProtoConfig, RecvSpec,
-};
+use prism_transport::proto::{Completion, Connection, MsgId, PayloadSource, Placer, ProtoConfig, RecvSpec};
 use prism_transport::wire::{self, data::FLAG_CE, Header, DATA_HEADER_LEN};
 use rand::{rngs::SmallRng, SeedableRng};
 use serde::{Deserialize, Serialize};
@@ -267,39 +265,20 @@ fn ooo_bucket_value(b: usize) -> u64 {
 impl Sim {
     /// Prepare run `seed` of `scheme` on `sc` with message size `size` (if swept), with or without the
     /// scenario's failures.
-    pub fn new(
-        sc: &Scenario,
-        scheme: &SchemeSpec,
-        size: Option<u64>,
-        with_failures: bool,
-        seed: u64,
-    ) -> Result<Self, ScenarioError> {
-        let cfg = LbConfig::from_vars(&scheme.vars).map_err(|source| ScenarioError::Lb {
-            scheme: scheme.name.clone(),
-            source,
-        })?;
-        let fab = Fabric::new(
-            &sc.topology,
-            &sc.link,
-            scheme.switch,
-            scheme.flowlet_gap_us,
-            seed,
-        )?;
+    pub fn new(sc: &Scenario, scheme: &SchemeSpec, size: Option<u64>, with_failures: bool, seed: u64) -> Result<Self, ScenarioError> {
+        let cfg = LbConfig::from_vars(&scheme.vars).map_err(|source| ScenarioError::Lb { scheme: scheme.name.clone(), source })?;
+        let fab = Fabric::new(&sc.topology, &sc.link, scheme.switch, scheme.flowlet_gap_us, seed)?;
         let topo = fab.lb_topology()?;
         let runtimes = (0..fab.hosts)
             .map(|h| {
-                cfg.runtime(
-                    topo.clone(),
-                    h,
-                    seed.wrapping_mul(0x9E37_79B9).wrapping_add(h as u64),
-                )
-                .map_err(|e| invalid("topology", e.to_string()))
+                cfg.runtime(topo.clone(), h, seed.wrapping_mul(0x9E37_79B9).wrapping_add(h as u64))
+                    .map_err(|e| invalid("topology", e.to_string()))
             })
             .collect::<Result<Vec<_>, _>>()?;
-        let n_paths = sc.proto.n_paths.unwrap_or_else(|| {
-            (fab.paths_between_leaves as u64 * sc.proto.entropies_per_path.max(1) as u64).min(4096)
-                as u16
-        });
+        let n_paths = sc
+            .proto
+            .n_paths
+            .unwrap_or_else(|| (fab.paths_between_leaves as u64 * sc.proto.entropies_per_path.max(1) as u64).min(4096) as u16);
         let p = &sc.proto;
         let proto = ProtoConfig {
             n_paths: n_paths.max(1),
@@ -321,12 +300,7 @@ impl Sim {
         let transfers = workload::generate(&sc.workload, fab.hosts, fab.rails, size, &mut rng)?;
         let mut tstate: Vec<TState> = transfers
             .iter()
-            .map(|t| TState {
-                deps_left: t.deps.len() as u32,
-                dependents: Vec::new(),
-                received: 0,
-                done_at: None,
-            })
+            .map(|t| TState { deps_left: t.deps.len() as u32, dependents: Vec::new(), received: 0, done_at: None })
             .collect();
         for (i, t) in transfers.iter().enumerate() {
             for &d in &t.deps {
@@ -340,37 +314,20 @@ impl Sim {
                 let a = fab.node_by_name(&l.between[0]);
                 let b = fab.node_by_name(&l.between[1]);
                 let (Some(a), Some(b)) = (a, b) else {
-                    return Err(invalid(
-                        format!("failures.links[{i}].between"),
-                        "no such node",
-                    ));
+                    return Err(invalid(format!("failures.links[{i}].between"), "no such node"));
                 };
                 let Some(ports) = fab.link_between(a, b, l.index) else {
-                    return Err(invalid(
-                        format!("failures.links[{i}].between"),
-                        "those nodes are not linked",
-                    ));
+                    return Err(invalid(format!("failures.links[{i}].between"), "those nodes are not linked"));
                 };
-                changes.push(LinkChange {
-                    ports,
-                    at: (l.at_us * PS_PER_US as f64) as Ps,
-                    factor: l.rate_factor,
-                });
+                changes.push(LinkChange { ports, at: (l.at_us * PS_PER_US as f64) as Ps, factor: l.rate_factor });
             }
             if f.random_link_prob > 0.0 {
                 use rand::Rng;
                 let mut frng = SmallRng::seed_from_u64(seed ^ 0xFA11);
                 for &(p, q) in &fab.links {
-                    let sw = |x: u32| {
-                        fab.tier(fab.ports[x as usize].from) > 0
-                            && fab.tier(fab.ports[x as usize].to) > 0
-                    };
+                    let sw = |x: u32| fab.tier(fab.ports[x as usize].from) > 0 && fab.tier(fab.ports[x as usize].to) > 0;
                     if sw(p) && frng.gen_bool(f.random_link_prob) {
-                        changes.push(LinkChange {
-                            ports: (p, q),
-                            at: 0,
-                            factor: None,
-                        });
+                        changes.push(LinkChange { ports: (p, q), at: 0, factor: None });
                     }
                 }
             }
@@ -424,10 +381,8 @@ impl Sim {
     pub fn with_progress(mut self, label: &str, expect_us: f64) -> Self {
         let pb = indicatif::ProgressBar::new(expect_us.max(1.0) as u64);
         pb.set_style(
-            indicatif::ProgressStyle::with_template(
-                "{prefix:>28} [{bar:30}] {pos}/{len} µs sim {msg}",
-            )
-            .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+            indicatif::ProgressStyle::with_template("{prefix:>28} [{bar:30}] {pos}/{len} µs sim {msg}")
+                .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
         );
         pb.set_prefix(label.to_string());
         self.progress = Some(pb);
@@ -465,14 +420,7 @@ impl Sim {
             let h = hops[s as usize * hosts + d as usize] as f64;
             h * prop + (h - 1.0).max(0.0) * full_pkt_us
         };
-        let hosts_bound = workload::lower_bound_us(
-            &self.transfers,
-            hosts,
-            bytes_per_us,
-            self.fab.rails,
-            wire,
-            lat,
-        );
+        let hosts_bound = workload::lower_bound_us(&self.transfers, hosts, bytes_per_us, self.fab.rails, wire, lat);
         hosts_bound.max(self.leaf_bound_us(&wire) + lat(0, (hosts - 1) as u32).min(2.0 * prop))
     }
 
@@ -583,10 +531,7 @@ impl Sim {
                     let port = &mut self.fab.ports[p as usize];
                     match c.factor {
                         None => port.failed = true,
-                        Some(f) => {
-                            port.mps_per_byte =
-                                (port.nominal_mps_per_byte as f64 / f.clamp(1e-3, 1.0)) as u64
-                        }
+                        Some(f) => port.mps_per_byte = (port.nominal_mps_per_byte as f64 / f.clamp(1e-3, 1.0)) as u64,
                     }
                 }
             }
@@ -652,15 +597,10 @@ impl Sim {
         self.host_batch_at[host as usize] = None;
         let now = self.now;
         let all = std::mem::take(&mut self.host_ready[host as usize]);
-        let (ready, later): (Vec<u32>, Vec<u32>) = all
-            .into_iter()
-            .partition(|&t| (self.transfers[t as usize].start_us * PS_PER_US as f64) as Ps <= now);
+        let (ready, later): (Vec<u32>, Vec<u32>) =
+            all.into_iter().partition(|&t| (self.transfers[t as usize].start_us * PS_PER_US as f64) as Ps <= now);
         if !later.is_empty() {
-            let next = later
-                .iter()
-                .map(|&t| (self.transfers[t as usize].start_us * PS_PER_US as f64) as Ps)
-                .min()
-                .unwrap_or(now);
+            let next = later.iter().map(|&t| (self.transfers[t as usize].start_us * PS_PER_US as f64) as Ps).min().unwrap_or(now);
             self.host_ready[host as usize] = later;
             self.schedule_batch(host, next);
         }
@@ -680,12 +620,7 @@ impl Sim {
             .iter()
             .map(|&t| {
                 let tr = &self.transfers[t as usize];
-                SendReq {
-                    dst_host: tr.dst as usize,
-                    len: tr.bytes,
-                    flow: t as u64,
-                    home_rail: tr.home_rail,
-                }
+                SendReq { dst_host: tr.dst as usize, len: tr.bytes, flow: t as u64, home_rail: tr.home_rail }
             })
             .collect();
         let plans = match self.runtimes[host as usize].plan_batch(&reqs, self.now_us()) {
@@ -717,20 +652,12 @@ impl Sim {
                 let pin = (pin != u32::MAX).then_some(pin as u16);
                 let pair = self.pair_for(tr.src, tr.dst, rail, dst_rail, pin);
                 let ready_at = now + after_us as u64 * PS_PER_US;
-                let chunk = if gated {
-                    self.scheme.msg_chunk.max(1)
-                } else {
-                    bytes
-                };
+                let chunk = if gated { self.scheme.msg_chunk.max(1) } else { bytes };
                 let mut left = bytes;
                 while left > 0 {
                     let b = left.min(chunk);
                     left -= b;
-                    let piece = Piece {
-                        transfer: t,
-                        bytes: b,
-                        ready_at,
-                    };
+                    let piece = Piece { transfer: t, bytes: b, ready_at };
                     let p = &mut self.pairs[pair as usize];
                     p.pending_recv.push_back(piece);
                     p.pending_send.push_back(piece);
@@ -747,32 +674,16 @@ impl Sim {
             return p;
         }
         let idx = self.pairs.len() as u32;
-        let rate: Option<SharedRate> =
-            (self.cfg.cc == CcKind::Mcc).then(|| Arc::new(Mutex::new(self.cfg.rate_controller())));
+        let rate: Option<SharedRate> = (self.cfg.cc == CcKind::Mcc).then(|| Arc::new(Mutex::new(self.cfg.rate_controller())));
         let aimd: Option<SharedAimd> = (self.scheme.rate == RateMode::PacketAimd).then(|| {
-            Arc::new(Mutex::new(PacketAimd::new(
-                self.scheme.aimd_init_pkts.unwrap_or(self.proto.window_pkts),
-                self.proto.window_pkts,
-            )))
+            Arc::new(Mutex::new(PacketAimd::new(self.scheme.aimd_init_pkts.unwrap_or(self.proto.window_pkts), self.proto.window_pkts)))
         });
         let flow_seed = self.seed ^ (idx as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15);
-        let policy = self.runtimes[src as usize].path_policy(
-            FlowInfo {
-                dst_host: dst as usize,
-                rail,
-            },
-            flow_seed,
-        );
+        let policy = self.runtimes[src as usize].path_policy(FlowInfo { dst_host: dst as usize, rail }, flow_seed);
         let send_policy = Box::new(SimPolicy::new(policy, pin, rate.clone(), aimd.clone()));
         // The receiving end only sends control packets; its policy is never asked for data paths.
         let recv_policy = Box::new(SimPolicy::new(
-            self.runtimes[dst as usize].path_policy(
-                FlowInfo {
-                    dst_host: src as usize,
-                    rail,
-                },
-                flow_seed ^ 1,
-            ),
+            self.runtimes[dst as usize].path_policy(FlowInfo { dst_host: src as usize, rail }, flow_seed ^ 1),
             None,
             None,
             None,
@@ -783,13 +694,7 @@ impl Sim {
         let dst_nic = dst * rails + dst_rail as u32;
         let now_us = self.now_us();
         self.eps.push(Endpoint {
-            conn: Connection::new(
-                self.proto.clone(),
-                TOKEN_BASE + es as u64,
-                TOKEN_BASE + er as u64,
-                send_policy,
-                now_us,
-            ),
+            conn: Connection::new(self.proto.clone(), TOKEN_BASE + es as u64, TOKEN_BASE + er as u64, send_policy, now_us),
             nic: src_nic,
             peer_nic: dst_nic,
             pair: idx,
@@ -799,13 +704,7 @@ impl Sim {
             max_psn: None,
         });
         self.eps.push(Endpoint {
-            conn: Connection::new(
-                self.proto.clone(),
-                TOKEN_BASE + er as u64,
-                TOKEN_BASE + es as u64,
-                recv_policy,
-                now_us,
-            ),
+            conn: Connection::new(self.proto.clone(), TOKEN_BASE + er as u64, TOKEN_BASE + es as u64, recv_policy, now_us),
             nic: dst_nic,
             peer_nic: src_nic,
             pair: idx,
@@ -839,13 +738,7 @@ impl Sim {
                 break;
             };
             let ep = &mut self.eps[p.ep_recv as usize];
-            match ep.conn.post_recv(
-                &[RecvSpec {
-                    len: piece.bytes,
-                    tag: 0,
-                }],
-                now_us,
-            ) {
+            match ep.conn.post_recv(&[RecvSpec { len: piece.bytes, tag: 0 }], now_us) {
                 Ok(id) => {
                     p.pending_recv.pop_front();
                     p.posted_recv.push_back((id, piece.transfer, piece.bytes));
@@ -944,11 +837,7 @@ impl Sim {
                     let (_, bytes, at) = p.posted_send.remove(i).expect("index from position");
                     p.out_bytes -= bytes;
                     if let Some(r) = &p.rate {
-                        locked(r).message_done(&MessageSample {
-                            bytes: len,
-                            sent_us: at / PS_PER_US,
-                            done_us: self.now / PS_PER_US,
-                        });
+                        locked(r).message_done(&MessageSample { bytes: len, sent_us: at / PS_PER_US, done_us: self.now / PS_PER_US });
                     }
                 }
                 self.pump_send(pair);
@@ -990,24 +879,14 @@ impl Sim {
                     }
                 }
             }
-            let Some(t) = e
-                .conn
-                .poll_transmit(now_us, &mut NoPayload, &mut self.txbuf)
-            else {
+            let Some(t) = e.conn.poll_transmit(now_us, &mut NoPayload, &mut self.txbuf) else {
                 e.in_ready = false;
                 continue;
             };
             let len = t.len;
-            let hdr_len = if self.txbuf[1] == 1 {
-                DATA_HEADER_LEN
-            } else {
-                len
-            };
+            let hdr_len = if self.txbuf[1] == 1 { DATA_HEADER_LEN } else { len };
             // Receives are posted one buffer at a time, so a CTS (the longest control packet) has 44 bytes.
-            assert!(
-                hdr_len <= MAX_HDR,
-                "control packet of {len} bytes exceeds the simulator's {MAX_HDR}"
-            );
+            assert!(hdr_len <= MAX_HDR, "control packet of {len} bytes exceeds the simulator's {MAX_HDR}");
             let mut hdr = [0u8; MAX_HDR];
             hdr[..hdr_len].copy_from_slice(&self.txbuf[..hdr_len]);
             let data = self.txbuf[1] == 1;
@@ -1019,11 +898,7 @@ impl Sim {
                     entropy: t.entropy,
                     data,
                 },
-                body: PacketBody {
-                    dgram_len: len as u32,
-                    hdr_len: hdr_len as u8,
-                    hdr,
-                },
+                body: PacketBody { dgram_len: len as u32, hdr_len: hdr_len as u8, hdr },
             };
             self.ready[nic as usize].push_back(ep);
             // A transmission only arms deadlines at least one minimum RTO away (RTO, CTS, probes) and
@@ -1054,8 +929,7 @@ impl Sim {
             p.free_pending = true;
             self.q.push(self.now + ser, Event::PortFree { port });
         }
-        self.q
-            .push(self.now + ser + prop, Event::Arrive { pkt, port });
+        self.q.push(self.now + ser + prop, Event::Arrive { pkt, port });
     }
 
     fn on_port_free(&mut self, port: u32) {
@@ -1147,8 +1021,7 @@ impl Sim {
         self.pool.release(pkt);
         let now_us = self.now_us();
         let e = &mut self.eps[ep as usize];
-        e.conn
-            .handle_datagram(&self.rxbuf[..len], now_us, &mut NoPlace);
+        e.conn.handle_datagram(&self.rxbuf[..len], now_us, &mut NoPlace);
         self.after_ep(ep);
         // An acknowledgement may open the window of a gated sender or the MCC window of its pair.
         if self.eps[ep as usize].sender {
@@ -1199,41 +1072,24 @@ impl Sim {
         let layers: Vec<LayerStats> = present
             .iter()
             .map(|&l| {
-                let ports: Vec<_> = self
-                    .fab
-                    .ports
-                    .iter()
-                    .filter(|p| p.layer as usize == l)
-                    .collect();
-                let cap = |p: &&crate::fabric::Port| {
-                    cct_ps as f64 * 1000.0 / p.nominal_mps_per_byte as f64
-                };
-                let util: f64 = ports.iter().map(|p| p.stats.tx_bytes as f64).sum::<f64>()
-                    / ports.iter().map(cap).sum::<f64>().max(1.0);
+                let ports: Vec<_> = self.fab.ports.iter().filter(|p| p.layer as usize == l).collect();
+                let cap = |p: &&crate::fabric::Port| cct_ps as f64 * 1000.0 / p.nominal_mps_per_byte as f64;
+                let util: f64 = ports.iter().map(|p| p.stats.tx_bytes as f64).sum::<f64>() / ports.iter().map(cap).sum::<f64>().max(1.0);
                 LayerStats {
                     layer: self.fab.layer_names[l].clone(),
                     ports: ports.len(),
                     max_queue_bytes: ports.iter().map(|p| p.stats.max_queue).max().unwrap_or(0),
                     avg_queue_bytes: self.layer_sum[l] / self.layer_samples.max(1) as f64,
                     utilisation: util,
-                    max_port_utilisation: ports
-                        .iter()
-                        .map(|p| p.stats.tx_bytes as f64 / cap(p).max(1.0))
-                        .fold(0.0, f64::max),
+                    max_port_utilisation: ports.iter().map(|p| p.stats.tx_bytes as f64 / cap(p).max(1.0)).fold(0.0, f64::max),
                     drops_overflow: ports.iter().map(|p| p.stats.drops_overflow).sum(),
                     drops_failed: ports.iter().map(|p| p.stats.drops_failed).sum(),
                     ecn_marks: ports.iter().map(|p| p.stats.ecn_marks).sum(),
                 }
             })
             .collect();
-        let max_switch_queue_bytes = self
-            .fab
-            .ports
-            .iter()
-            .filter(|p| self.fab.tier(p.from) > 0)
-            .map(|p| p.stats.max_queue)
-            .max()
-            .unwrap_or(0);
+        let max_switch_queue_bytes =
+            self.fab.ports.iter().filter(|p| self.fab.tier(p.from) > 0).map(|p| p.stats.max_queue).max().unwrap_or(0);
         let max_fabric_queue_bytes = self
             .fab
             .ports
@@ -1249,11 +1105,7 @@ impl Sim {
             .filter(|p| self.fab.tier(p.from) == 0 || self.fab.tier(p.to) == 0)
             .map(|p| p.stats.tx_bytes as f64 * p.nominal_mps_per_byte as f64 / 1e9)
             .fold(0.0, f64::max);
-        let mut pt = ProtoTotals {
-            connections: self.pairs.len(),
-            failed_requests: self.failed_requests,
-            ..ProtoTotals::default()
-        };
+        let mut pt = ProtoTotals { connections: self.pairs.len(), failed_requests: self.failed_requests, ..ProtoTotals::default() };
         for e in &self.eps {
             let s = e.conn.stats();
             pt.data_pkts_sent += s.data_pkts_sent;
@@ -1264,13 +1116,8 @@ impl Sim {
             pt.duplicates += s.duplicates;
             pt.cts_retransmitted += s.cts_retransmitted;
             pt.dropped += s.dropped.total();
-            pt.paths_died += s
-                .paths
-                .iter()
-                .filter(|p| {
-                    p.state == prism_transport::proto::PathHealth::Dead || p.state_changes > 1
-                })
-                .count() as u64;
+            pt.paths_died +=
+                s.paths.iter().filter(|p| p.state == prism_transport::proto::PathHealth::Dead || p.state_changes > 1).count() as u64;
         }
         let total: u64 = self.ooo_hist.iter().sum();
         let pct = |q: f64| -> u64 {
@@ -1284,22 +1131,13 @@ impl Sim {
             }
             0
         };
-        let ooo_max = self
-            .ooo_hist
-            .iter()
-            .rposition(|&c| c > 0)
-            .map_or(0, ooo_bucket_value);
+        let ooo_max = self.ooo_hist.iter().rposition(|&c| c > 0).map_or(0, ooo_bucket_value);
         let reroute_us = (!self.changes.is_empty()).then(|| {
             self.changes
                 .iter()
                 .filter(|c| c.factor.is_none())
                 .flat_map(|c| [c.ports.0, c.ports.1].map(|p| (c.at, p)))
-                .filter_map(|(at, p)| {
-                    self.fab.ports[p as usize]
-                        .stats
-                        .last_failed_drop
-                        .map(|d| nanos_to_us(d.saturating_sub(at)))
-                })
+                .filter_map(|(at, p)| self.fab.ports[p as usize].stats.last_failed_drop.map(|d| nanos_to_us(d.saturating_sub(at))))
                 .fold(0.0, f64::max)
         });
         // Downsample the series to at most 400 points (max within each bucket).
@@ -1310,10 +1148,7 @@ impl Sim {
             .chunks(step)
             .map(|ch| {
                 let t = nanos_to_us(ch[0].0);
-                let v = present
-                    .iter()
-                    .map(|&l| ch.iter().map(|s| s.1[l]).max().unwrap_or(0))
-                    .collect();
+                let v = present.iter().map(|&l| ch.iter().map(|s| s.1[l]).max().unwrap_or(0)).collect();
                 (t, v)
             })
             .collect();

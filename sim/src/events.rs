@@ -82,15 +82,7 @@ pub struct EventQueue {
 
 impl Default for EventQueue {
     fn default() -> Self {
-        Self {
-            last: 0,
-            slots: Box::new(std::array::from_fn(|_| Vec::new())),
-            bits: [0; LEVELS],
-            levels: 0,
-            head: 0,
-            len: 0,
-            popped: 0,
-        }
+        Self { last: 0, slots: Box::new(std::array::from_fn(|_| Vec::new())), bits: [0; LEVELS], levels: 0, head: 0, len: 0, popped: 0 }
     }
 }
 
@@ -98,11 +90,7 @@ impl Default for EventQueue {
 #[inline]
 fn slot_of(at: Ps, last: Ps) -> (usize, usize) {
     let x = at ^ last;
-    let level = if x == 0 {
-        0
-    } else {
-        ((63 - x.leading_zeros()) / DIGIT_BITS) as usize
-    };
+    let level = if x == 0 { 0 } else { ((63 - x.leading_zeros()) / DIGIT_BITS) as usize };
     let digit = ((at >> (level as u32 * DIGIT_BITS)) as usize) & (SLOTS - 1);
     (level, digit)
 }
@@ -190,11 +178,7 @@ impl EventQueue {
             self.put(at, ev);
             return Some(());
         }
-        self.last = self.slots[idx]
-            .iter()
-            .map(|x| x.0)
-            .min()
-            .expect("slot bit set");
+        self.last = self.slots[idx].iter().map(|x| x.0).min().expect("slot bit set");
         self.clear_bit(l, d);
         // Every item lands below level `l`, so the slot is read in place and emptied afterwards.
         for i in 0..self.slots[idx].len() {
@@ -248,9 +232,7 @@ mod tests {
 
     #[test]
     fn a_random_schedule_pops_sorted_and_stable_against_a_reference() {
-        check_against_reference(11, |rng, now| {
-            now + rng.gen_range(0..3) * rng.gen_range(0..1_000_000u64)
-        });
+        check_against_reference(11, |rng, now| now + rng.gen_range(0..3) * rng.gen_range(0..1_000_000u64));
     }
 
     #[test]

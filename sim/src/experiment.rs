@@ -87,16 +87,12 @@ pub struct ExperimentResult {
 impl ExperimentResult {
     /// The summary row of `scheme` at `size` (with `failures`).
     pub fn row(&self, scheme: &str, size: u64, failures: bool) -> Option<&SummaryRow> {
-        self.summary
-            .iter()
-            .find(|r| r.scheme == scheme && r.size == size && r.failures == failures)
+        self.summary.iter().find(|r| r.scheme == scheme && r.size == size && r.failures == failures)
     }
 
     /// The only or first row of `scheme` with `failures`.
     pub fn first(&self, scheme: &str, failures: bool) -> Option<&SummaryRow> {
-        self.summary
-            .iter()
-            .find(|r| r.scheme == scheme && r.failures == failures)
+        self.summary.iter().find(|r| r.scheme == scheme && r.failures == failures)
     }
 }
 
@@ -111,10 +107,7 @@ fn mean(v: impl Iterator<Item = f64>) -> f64 {
 
 /// Least-squares slope of log(y) over log(x) (points with y ≤ 0 are taken as y = 1 byte).
 pub fn loglog_slope(points: &[(f64, f64)]) -> f64 {
-    let pts: Vec<(f64, f64)> = points
-        .iter()
-        .map(|&(x, y)| (x.max(1e-12).ln(), y.max(1.0).ln()))
-        .collect();
+    let pts: Vec<(f64, f64)> = points.iter().map(|&(x, y)| (x.max(1e-12).ln(), y.max(1.0).ln())).collect();
     let n = pts.len() as f64;
     if pts.len() < 2 {
         return 0.0;
@@ -131,16 +124,8 @@ pub fn loglog_slope(points: &[(f64, f64)]) -> f64 {
 }
 
 /// Run every case of `sc`. `progress` shows a bar per run; `ci` marks the result as the CI version.
-pub fn run_scenario(
-    sc: &Scenario,
-    progress: bool,
-    ci: bool,
-) -> Result<ExperimentResult, ScenarioError> {
-    let sizes: Vec<Option<u64>> = if sc.sizes.is_empty() {
-        vec![None]
-    } else {
-        sc.sizes.iter().copied().map(Some).collect()
-    };
+pub fn run_scenario(sc: &Scenario, progress: bool, ci: bool) -> Result<ExperimentResult, ScenarioError> {
+    let sizes: Vec<Option<u64>> = if sc.sizes.is_empty() { vec![None] } else { sc.sizes.iter().copied().map(Some).collect() };
     let has_failures = sc.failures.random_link_prob > 0.0 || !sc.failures.links.is_empty();
     let variants: Vec<bool> = match (has_failures, sc.failures.with_baseline) {
         (false, _) => vec![false],
@@ -155,12 +140,8 @@ pub fn run_scenario(
                     let seed = sc.seed + r as u64;
                     let mut sim = Sim::new(sc, scheme, size, fail, seed)?;
                     if progress {
-                        let label = format!(
-                            "{} {}{}",
-                            scheme.name,
-                            size.map(human_bytes).unwrap_or_default(),
-                            if fail { " fail" } else { "" }
-                        );
+                        let label =
+                            format!("{} {}{}", scheme.name, size.map(human_bytes).unwrap_or_default(), if fail { " fail" } else { "" });
                         let expect = sim.bound_us() * 1.5;
                         sim = sim.with_progress(&label, expect);
                     }
@@ -181,30 +162,14 @@ pub fn run_scenario(
     for &size in &sizes {
         for &fail in &variants {
             for scheme in &sc.schemes {
-                let rs: Vec<&RunResult> = runs
-                    .iter()
-                    .filter(|r| {
-                        r.scheme == scheme.name && r.size == size.unwrap_or(0) && r.failures == fail
-                    })
-                    .collect();
+                let rs: Vec<&RunResult> =
+                    runs.iter().filter(|r| r.scheme == scheme.name && r.size == size.unwrap_or(0) && r.failures == fail).collect();
                 let mut layer_max_queue = BTreeMap::new();
                 let mut layer_utilisation = BTreeMap::new();
                 for l in &rs[0].layers {
-                    let same = |r: &&RunResult| {
-                        r.layers
-                            .iter()
-                            .find(|x| x.layer == l.layer)
-                            .cloned()
-                            .unwrap_or_default()
-                    };
-                    layer_max_queue.insert(
-                        l.layer.clone(),
-                        mean(rs.iter().map(|r| same(r).max_queue_bytes as f64)),
-                    );
-                    layer_utilisation.insert(
-                        l.layer.clone(),
-                        mean(rs.iter().map(|r| same(r).utilisation)),
-                    );
+                    let same = |r: &&RunResult| r.layers.iter().find(|x| x.layer == l.layer).cloned().unwrap_or_default();
+                    layer_max_queue.insert(l.layer.clone(), mean(rs.iter().map(|r| same(r).max_queue_bytes as f64)));
+                    layer_utilisation.insert(l.layer.clone(), mean(rs.iter().map(|r| same(r).utilisation)));
                 }
                 let reroutes: Vec<f64> = rs.iter().filter_map(|r| r.reroute_us).collect();
                 summary.push(SummaryRow {
@@ -219,25 +184,14 @@ pub fn run_scenario(
                     nic_load_us: mean(rs.iter().map(|r| r.nic_load_us)),
                     max_queue_bytes: mean(rs.iter().map(|r| r.max_switch_queue_bytes as f64)),
                     avg_queue_bytes: mean(rs.iter().map(|r| r.avg_switch_queue_bytes)),
-                    max_fabric_queue_bytes: mean(
-                        rs.iter().map(|r| r.max_fabric_queue_bytes as f64),
-                    ),
+                    max_fabric_queue_bytes: mean(rs.iter().map(|r| r.max_fabric_queue_bytes as f64)),
                     layer_max_queue,
                     layer_utilisation,
                     retransmissions: mean(rs.iter().map(|r| r.proto.retransmissions as f64)),
                     timeouts: mean(rs.iter().map(|r| r.proto.timeouts as f64)),
-                    drops_overflow: mean(
-                        rs.iter()
-                            .map(|r| r.layers.iter().map(|l| l.drops_overflow).sum::<u64>() as f64),
-                    ),
-                    drops_failed: mean(
-                        rs.iter()
-                            .map(|r| r.layers.iter().map(|l| l.drops_failed).sum::<u64>() as f64),
-                    ),
-                    ecn_marks: mean(
-                        rs.iter()
-                            .map(|r| r.layers.iter().map(|l| l.ecn_marks).sum::<u64>() as f64),
-                    ),
+                    drops_overflow: mean(rs.iter().map(|r| r.layers.iter().map(|l| l.drops_overflow).sum::<u64>() as f64)),
+                    drops_failed: mean(rs.iter().map(|r| r.layers.iter().map(|l| l.drops_failed).sum::<u64>() as f64)),
+                    ecn_marks: mean(rs.iter().map(|r| r.layers.iter().map(|l| l.ecn_marks).sum::<u64>() as f64)),
                     ooo_p99: rs.iter().map(|r| r.ooo_p99).max().unwrap_or(0),
                     reroute_us: (!reroutes.is_empty()).then(|| mean(reroutes.iter().copied())),
                 });

@@ -277,13 +277,7 @@ fn mps_per_byte(gbps: f64) -> u64 {
 
 impl Builder {
     fn node(&mut self, kind: NodeKind, name: String, pod: u32) -> u32 {
-        self.nodes.push(Node {
-            kind,
-            name,
-            pod,
-            leaf_id: None,
-            ports: Vec::new(),
-        });
+        self.nodes.push(Node { kind, name, pod, leaf_id: None, ports: Vec::new() });
         (self.nodes.len() - 1) as u32
     }
 
@@ -296,11 +290,7 @@ impl Builder {
 
     fn connect(&mut self, a: u32, b: u32) -> (u32, u32) {
         let host_link = self.tier(a) == 0 || self.tier(b) == 0;
-        let gbps = if host_link {
-            self.link.host_gbps.unwrap_or(self.link.gbps)
-        } else {
-            self.link.gbps
-        };
+        let gbps = if host_link { self.link.host_gbps.unwrap_or(self.link.gbps) } else { self.link.gbps };
         let mk = |from: u32, to: u32, ports: &mut Vec<Port>, nodes: &mut Vec<Node>| {
             let (tf, tt) = (
                 match nodes[from as usize].kind {
@@ -355,19 +345,8 @@ fn layer_name(l: u8, top: u8) -> String {
 
 impl Fabric {
     /// Build the fabric of `topo` with `link` parameters; switches choose next hops by `mode`.
-    pub fn new(
-        topo: &TopologySpec,
-        link: &LinkSpec,
-        mode: SwitchMode,
-        flowlet_gap_us: f64,
-        seed: u64,
-    ) -> Result<Self, ScenarioError> {
-        let mut b = Builder {
-            nodes: Vec::new(),
-            ports: Vec::new(),
-            links: Vec::new(),
-            link: link.clone(),
-        };
+    pub fn new(topo: &TopologySpec, link: &LinkSpec, mode: SwitchMode, flowlet_gap_us: f64, seed: u64) -> Result<Self, ScenarioError> {
+        let mut b = Builder { nodes: Vec::new(), ports: Vec::new(), links: Vec::new(), link: link.clone() };
         let hosts = topo.hosts();
         let rails = topo.rails();
         for h in 0..hosts {
@@ -376,14 +355,7 @@ impl Fabric {
         let mut nic_port = vec![u32::MAX; hosts * rails];
         let mut sw_count = 0u32;
         let mut sw = |b: &mut Builder, tier: u8, name: String, pod: u32| {
-            let n = b.node(
-                NodeKind::Switch {
-                    tier,
-                    index: sw_count,
-                },
-                name,
-                pod,
-            );
+            let n = b.node(NodeKind::Switch { tier, index: sw_count }, name, pod);
             sw_count += 1;
             n
         };
@@ -391,31 +363,15 @@ impl Fabric {
         let mut up_fanout = [1u32; 4];
         let top;
         match *topo {
-            TopologySpec::LeafSpine {
-                hosts,
-                hosts_per_leaf,
-                spines,
-            }
-            | TopologySpec::Rails {
-                hosts,
-                hosts_per_leaf,
-                spines,
-                ..
-            } => {
+            TopologySpec::LeafSpine { hosts, hosts_per_leaf, spines } | TopologySpec::Rails { hosts, hosts_per_leaf, spines, .. } => {
                 let per_rail = hosts.div_ceil(hosts_per_leaf);
                 for r in 0..rails {
                     for g in 0..per_rail {
-                        let name = if rails > 1 {
-                            format!("leaf{}", r * per_rail + g)
-                        } else {
-                            format!("leaf{g}")
-                        };
+                        let name = if rails > 1 { format!("leaf{}", r * per_rail + g) } else { format!("leaf{g}") };
                         leaves.push(sw(&mut b, 1, name, g as u32));
                     }
                 }
-                let sp: Vec<u32> = (0..spines)
-                    .map(|s| sw(&mut b, 2, format!("spine{s}"), 0))
-                    .collect();
+                let sp: Vec<u32> = (0..spines).map(|s| sw(&mut b, 2, format!("spine{s}"), 0)).collect();
                 for h in 0..hosts {
                     for r in 0..rails {
                         let leaf = leaves[r * per_rail + h / hosts_per_leaf];
@@ -445,9 +401,7 @@ impl Fabric {
                         aggs.push(sw(&mut b, 2, format!("agg{}", p * half + i), p as u32));
                     }
                 }
-                let cores: Vec<u32> = (0..half * half)
-                    .map(|c| sw(&mut b, 3, format!("core{c}"), 0))
-                    .collect();
+                let cores: Vec<u32> = (0..half * half).map(|c| sw(&mut b, 3, format!("core{c}"), 0)).collect();
                 for h in 0..hosts {
                     let e = edges[h / half];
                     let (p, _) = b.connect(h as u32, e);
@@ -486,9 +440,8 @@ impl Fabric {
         }
         let paths_between_leaves: u32 = up_fanout[1..top as usize].iter().product();
         let leaf_uplinks = vec![paths_between_leaves.min(1024) as u16; leaves.len()];
-        let switches: Vec<u32> = (0..b.nodes.len() as u32)
-            .filter(|&n| matches!(b.nodes[n as usize].kind, NodeKind::Switch { .. }))
-            .collect();
+        let switches: Vec<u32> =
+            (0..b.nodes.len() as u32).filter(|&n| matches!(b.nodes[n as usize].kind, NodeKind::Switch { .. })).collect();
         let n_dst = hosts * rails;
         let mut fabric = Fabric {
             route: vec![u32::MAX; switches.len() * n_dst],
@@ -517,9 +470,7 @@ impl Fabric {
         fabric.build_routes()?;
         let n_groups = fabric.groups.len();
         fabric.rr = (0..n_groups).map(|_| None).collect();
-        fabric.ofan = (0..fabric.switches.len() * fabric.leaves * 2)
-            .map(|_| None)
-            .collect();
+        fabric.ofan = (0..fabric.switches.len() * fabric.leaves * 2).map(|_| None).collect();
         Ok(fabric)
     }
 
@@ -540,9 +491,7 @@ impl Fabric {
             while let Some(u) = bfs.pop_front() {
                 for &p in &self.nodes[u as usize].ports {
                     let v = self.ports[p as usize].to;
-                    if dist[v as usize] == u32::MAX
-                        && matches!(self.nodes[v as usize].kind, NodeKind::Switch { .. })
-                    {
+                    if dist[v as usize] == u32::MAX && matches!(self.nodes[v as usize].kind, NodeKind::Switch { .. }) {
                         dist[v as usize] = dist[u as usize] + 1;
                         bfs.push_back(v);
                     }
@@ -563,8 +512,7 @@ impl Fabric {
                             // Only the destination NIC's own link reaches it.
                             ds == 1 && p == self.nic_down(host, rail)
                         } else {
-                            matches!(self.nodes[v as usize].kind, NodeKind::Switch { .. })
-                                && dist[v as usize] + 1 == ds
+                            matches!(self.nodes[v as usize].kind, NodeKind::Switch { .. }) && dist[v as usize] + 1 == ds
                         }
                     })
                     .collect();
@@ -584,11 +532,7 @@ impl Fabric {
                 for src in 0..self.hosts {
                     let first = self.ports[self.nic_port[src * self.rails] as usize].to;
                     let dd = dist[first as usize];
-                    self.hops[src * self.hosts + host] = if src == host {
-                        0
-                    } else {
-                        (dd + 1).min(255) as u8
-                    };
+                    self.hops[src * self.hosts + host] = if src == host { 0 } else { (dd + 1).min(255) as u8 };
                 }
             }
         }
@@ -605,11 +549,7 @@ impl Fabric {
             .filter(|&&p| self.ports[p as usize].to == host as u32)
             .nth(
                 // With several NICs of one host under one leaf, the r-th such link is NIC r's.
-                (0..rail)
-                    .filter(|&r| {
-                        self.ports[self.nic_port[host * self.rails + r] as usize].to == leaf
-                    })
-                    .count(),
+                (0..rail).filter(|&r| self.ports[self.nic_port[host * self.rails + r] as usize].to == leaf).count(),
             )
             .expect("every NIC's leaf links back to it")
     }
@@ -638,8 +578,7 @@ impl Fabric {
         let idx = match self.mode {
             SwitchMode::PathId => (pkt.entropy as u32 / self.radix_div[tier]) as usize % n,
             SwitchMode::Hash => {
-                let key =
-                    (pkt.src_nic as u64) | (pkt.dst_nic as u64) << 24 | (pkt.entropy as u64) << 48;
+                let key = (pkt.src_nic as u64) | (pkt.dst_nic as u64) << 24 | (pkt.entropy as u64) << 48;
                 (mix64(key ^ mix64(self.salt ^ si as u64)) % n as u64) as usize
             }
             SwitchMode::Spray => self.rng.gen_range(0..n),
@@ -649,11 +588,7 @@ impl Fabric {
                 let ptr = self.rr[g].get_or_insert_with(|| {
                     let mut perm: Vec<u16> = (0..n as u16).collect();
                     perm.shuffle(rng);
-                    RrPtr {
-                        perm,
-                        pos: 0,
-                        wraps: 0,
-                    }
+                    RrPtr { perm, pos: 0, wraps: 0 }
                 });
                 let i = ptr.perm[ptr.pos as usize] as usize;
                 ptr.pos += 1;
@@ -685,46 +620,27 @@ impl Fabric {
                 let best = ports.iter().map(|&p| bin(p)).min().unwrap_or(0);
                 let count = ports.iter().filter(|&&p| bin(p) == best).count();
                 let pick = self.rng.gen_range(0..count);
-                ports
-                    .iter()
-                    .enumerate()
-                    .filter(|&(_, &p)| bin(p) == best)
-                    .nth(pick)
-                    .map(|(i, _)| i)
-                    .unwrap_or(0)
+                ports.iter().enumerate().filter(|&(_, &p)| bin(p) == best).nth(pick).map(|(i, _)| i).unwrap_or(0)
             }
             SwitchMode::Ofan => {
-                let dst_leaf_node =
-                    self.ports[self.nic_port[pkt.dst_nic as usize] as usize].to as usize;
+                let dst_leaf_node = self.ports[self.nic_port[pkt.dst_nic as usize] as usize].to as usize;
                 let leaf = self.nodes[dst_leaf_node].leaf_id.unwrap_or(0) as usize;
                 // Consolidate at the coarsest waypoint: edges keep one pointer per destination leaf,
                 // higher tiers one per destination pod.
-                let key = if tier <= 1 {
-                    leaf
-                } else {
-                    self.nodes[dst_leaf_node].pod as usize
-                };
+                let key = if tier <= 1 { leaf } else { self.nodes[dst_leaf_node].pod as usize };
                 let slot = (si * self.leaves + key.min(self.leaves - 1)) * 2 + pkt.data as usize;
                 let rng = &mut self.rng;
                 let ptr = self.ofan[slot].get_or_insert_with(|| {
                     let mut order: Vec<u16> = (0..n as u16).collect();
                     order.shuffle(rng);
-                    DrPtr {
-                        pos: rng.gen_range(0..n as u16),
-                        order,
-                    }
+                    DrPtr { pos: rng.gen_range(0..n as u16), order }
                 });
                 let i = ptr.order[ptr.pos as usize % ptr.order.len()] as usize;
                 ptr.pos = (ptr.pos + 1) % ptr.order.len() as u16;
                 i
             }
             SwitchMode::Flowlet => {
-                let key = mix64(
-                    (si as u64) << 48
-                        ^ (pkt.src_nic as u64) << 32
-                        ^ (pkt.dst_nic as u64) << 16
-                        ^ pkt.entropy as u64,
-                );
+                let key = mix64((si as u64) << 48 ^ (pkt.src_nic as u64) << 32 ^ (pkt.dst_nic as u64) << 16 ^ pkt.entropy as u64);
                 let gap = self.flowlet_gap;
                 let rng = &mut self.rng;
                 let e = self.flowlets.entry(key).or_insert((u16::MAX, 0));
@@ -747,10 +663,7 @@ impl Fabric {
 
     /// The node with this name.
     pub fn node_by_name(&self, name: &str) -> Option<u32> {
-        self.nodes
-            .iter()
-            .position(|n| n.name == name)
-            .map(|i| i as u32)
+        self.nodes.iter().position(|n| n.name == name).map(|i| i as u32)
     }
 
     /// The `index`-th pair of ports joining nodes `a` and `b` (a→b, b→a).
@@ -776,14 +689,7 @@ impl Fabric {
     /// The `prism-lb` topology matching this fabric: every leaf with as many "uplinks" as distinct
     /// paths to a far leaf (so an uplink class is one path id), hosts by leaf per rail.
     pub fn lb_topology(&self) -> Result<prism_lb::Topology, ScenarioError> {
-        let leaves = self
-            .leaf_uplinks
-            .iter()
-            .map(|&u| prism_lb::topology::Leaf {
-                uplinks: u,
-                entropy_uplink: None,
-            })
-            .collect();
+        let leaves = self.leaf_uplinks.iter().map(|&u| prism_lb::topology::Leaf { uplinks: u, entropy_uplink: None }).collect();
         let hosts = (0..self.hosts)
             .map(|h| prism_lb::topology::Host {
                 name: None,
@@ -795,12 +701,7 @@ impl Fabric {
                     .collect(),
             })
             .collect();
-        prism_lb::Topology::new(
-            self.rails as u16,
-            self.paths_between_leaves.min(u16::MAX as u32) as u16,
-            leaves,
-            hosts,
-        )
-        .map_err(|e| invalid("topology", e.to_string()))
+        prism_lb::Topology::new(self.rails as u16, self.paths_between_leaves.min(u16::MAX as u32) as u16, leaves, hosts)
+            .map_err(|e| invalid("topology", e.to_string()))
     }
 }

@@ -24,13 +24,7 @@ pub struct PacketAimd {
 impl PacketAimd {
     /// A window of `init` packets that never exceeds `max`.
     pub fn new(init: u32, max: u32) -> Self {
-        Self {
-            cwnd: init.max(1) as f64,
-            max: max.max(1) as f64,
-            srtt_us: 0.0,
-            last_cut_us: None,
-            cuts: 0,
-        }
+        Self { cwnd: init.max(1) as f64, max: max.max(1) as f64, srtt_us: 0.0, last_cut_us: None, cuts: 0 }
     }
 
     /// Packets the flow may have in flight.
@@ -50,18 +44,9 @@ impl PacketAimd {
     /// Apply one feedback event.
     pub fn on_feedback(&mut self, fb: &Feedback) {
         match *fb {
-            Feedback::Ack {
-                rtt_us,
-                congested,
-                now_us,
-                ..
-            } => {
+            Feedback::Ack { rtt_us, congested, now_us, .. } => {
                 let r = rtt_us as f64;
-                self.srtt_us = if self.srtt_us == 0.0 {
-                    r
-                } else {
-                    0.875 * self.srtt_us + 0.125 * r
-                };
+                self.srtt_us = if self.srtt_us == 0.0 { r } else { 0.875 * self.srtt_us + 0.125 * r };
                 if congested {
                     self.cut(now_us);
                 } else {
@@ -93,18 +78,8 @@ pub struct SimPolicy {
 
 impl SimPolicy {
     /// Wrap `inner`, pinned to `pin`, tapping feedback into `rate` and `aimd`.
-    pub fn new(
-        inner: Box<dyn PathPolicy>,
-        pin: Option<u16>,
-        rate: Option<SharedRate>,
-        aimd: Option<SharedAimd>,
-    ) -> Self {
-        Self {
-            inner,
-            pin,
-            rate,
-            aimd,
-        }
+    pub fn new(inner: Box<dyn PathPolicy>, pin: Option<u16>, rate: Option<SharedRate>, aimd: Option<SharedAimd>) -> Self {
+        Self { inner, pin, rate, aimd }
     }
 }
 
@@ -150,13 +125,7 @@ mod tests {
     use super::*;
 
     fn ack(congested: bool, now_us: u64) -> Feedback {
-        Feedback::Ack {
-            entropy: 0,
-            rtt_us: 10,
-            congested,
-            bytes: 4096,
-            now_us,
-        }
+        Feedback::Ack { entropy: 0, rtt_us: 10, congested, bytes: 4096, now_us }
     }
 
     #[test]

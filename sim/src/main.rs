@@ -8,10 +8,7 @@ use clap::{Parser, Subcommand};
 use prism_sim::{report, run_scenario, Scenario};
 
 #[derive(Parser)]
-#[command(
-    name = "prism-sim",
-    about = "Packet-level fabric simulator running Prism's own lb and proto"
-)]
+#[command(name = "prism-sim", about = "Packet-level fabric simulator running Prism's own lb and proto")]
 struct Cli {
     #[command(subcommand)]
     cmd: Cmd,
@@ -67,48 +64,22 @@ enum Cmd {
     },
 }
 
-fn run_one(
-    file: &Path,
-    json: Option<&Path>,
-    out_dir: &Path,
-    ci: bool,
-    quiet: bool,
-    only: &[String],
-    sizes: &[u64],
-) -> anyhow::Result<()> {
-    let text =
-        std::fs::read_to_string(file).with_context(|| format!("reading {}", file.display()))?;
+fn run_one(file: &Path, json: Option<&Path>, out_dir: &Path, ci: bool, quiet: bool, only: &[String], sizes: &[u64]) -> anyhow::Result<()> {
+    let text = std::fs::read_to_string(file).with_context(|| format!("reading {}", file.display()))?;
     let sc = Scenario::from_json(&text).with_context(|| format!("loading {}", file.display()))?;
     let mut sc = if ci { sc.ci_variant()? } else { sc };
     if !only.is_empty() {
         sc.schemes.retain(|s| only.contains(&s.name));
-        anyhow::ensure!(
-            !sc.schemes.is_empty(),
-            "no scheme of {} is named {:?}",
-            file.display(),
-            only
-        );
+        anyhow::ensure!(!sc.schemes.is_empty(), "no scheme of {} is named {:?}", file.display(), only);
     }
     if !sizes.is_empty() {
         sc.sizes = sizes.to_vec();
     }
-    eprintln!(
-        "== {} ({} schemes, {} sizes, {} runs each)",
-        sc.name,
-        sc.schemes.len(),
-        sc.sizes.len().max(1),
-        sc.runs
-    );
+    eprintln!("== {} ({} schemes, {} sizes, {} runs each)", sc.name, sc.schemes.len(), sc.sizes.len().max(1), sc.runs);
     let res = run_scenario(&sc, !quiet, ci)?;
     std::fs::create_dir_all(out_dir)?;
-    let stem = if ci {
-        format!("{}-ci", sc.name)
-    } else {
-        sc.name.clone()
-    };
-    let json_path = json
-        .map(Path::to_path_buf)
-        .unwrap_or_else(|| out_dir.join(format!("{stem}.json")));
+    let stem = if ci { format!("{}-ci", sc.name) } else { sc.name.clone() };
+    let json_path = json.map(Path::to_path_buf).unwrap_or_else(|| out_dir.join(format!("{stem}.json")));
     if let Some(p) = json_path.parent() {
         std::fs::create_dir_all(p)?;
     }
@@ -130,11 +101,7 @@ fn run_one(
 /// Write the markdown summary and the charts of `res` into `out_dir`; returns the markdown.
 fn write_outputs(res: &prism_sim::ExperimentResult, out_dir: &Path) -> anyhow::Result<String> {
     std::fs::create_dir_all(out_dir)?;
-    let stem = if res.ci {
-        format!("{}-ci", res.scenario)
-    } else {
-        res.scenario.clone()
-    };
+    let stem = if res.ci { format!("{}-ci", res.scenario) } else { res.scenario.clone() };
     let md = report::markdown(res);
     std::fs::write(out_dir.join(format!("{stem}.md")), &md)?;
     for (suffix, svg) in report::charts(res) {
@@ -147,30 +114,16 @@ fn main() -> anyhow::Result<()> {
     tracing_subscriber_init();
     let cli = Cli::parse();
     match cli.cmd {
-        Cmd::Run {
-            file,
-            json,
-            out_dir,
-            ci,
-            quiet,
-            scheme,
-            size,
-        } => run_one(&file, json.as_deref(), &out_dir, ci, quiet, &scheme, &size),
+        Cmd::Run { file, json, out_dir, ci, quiet, scheme, size } => run_one(&file, json.as_deref(), &out_dir, ci, quiet, &scheme, &size),
         Cmd::Report { json, out_dir } => {
-            let text = std::fs::read_to_string(&json)
-                .with_context(|| format!("reading {}", json.display()))?;
-            let mut res: prism_sim::ExperimentResult = serde_json::from_str(&text)
-                .with_context(|| format!("parsing {}", json.display()))?;
+            let text = std::fs::read_to_string(&json).with_context(|| format!("reading {}", json.display()))?;
+            let mut res: prism_sim::ExperimentResult =
+                serde_json::from_str(&text).with_context(|| format!("parsing {}", json.display()))?;
             res.queue_slope = prism_sim::experiment::queue_slopes(&res.summary);
             write_outputs(&res, &out_dir)?;
             Ok(())
         }
-        Cmd::All {
-            dir,
-            out_dir,
-            ci,
-            quiet,
-        } => {
+        Cmd::All { dir, out_dir, ci, quiet } => {
             let mut files: Vec<PathBuf> = std::fs::read_dir(&dir)
                 .with_context(|| format!("reading {}", dir.display()))?
                 .filter_map(|e| e.ok().map(|e| e.path()))

@@ -4,10 +4,7 @@ use std::fmt::Write as _;
 
 use crate::experiment::{human_bytes, ExperimentResult};
 
-const COLORS: [&str; 10] = [
-    "#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f",
-    "#bcbd22", "#17becf",
-];
+const COLORS: [&str; 10] = ["#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22", "#17becf"];
 
 fn kib(b: f64) -> String {
     format!("{:.1}", b / 1024.0)
@@ -16,12 +13,7 @@ fn kib(b: f64) -> String {
 /// The markdown summary of one experiment.
 pub fn markdown(r: &ExperimentResult) -> String {
     let mut s = String::new();
-    let _ = writeln!(
-        s,
-        "# {}{}\n",
-        r.scenario,
-        if r.ci { " (CI scale)" } else { "" }
-    );
+    let _ = writeln!(s, "# {}{}\n", r.scenario, if r.ci { " (CI scale)" } else { "" });
     if !r.description.is_empty() {
         let _ = writeln!(s, "{}\n", r.description);
     }
@@ -37,10 +29,7 @@ pub fn markdown(r: &ExperimentResult) -> String {
         s,
         "| scheme | size | failures | CCT µs | bound µs | CCT over bound | busiest NIC µs | max switch queue KiB | max queue between switches KiB | avg switch queue KiB | retx | timeouts | drops (buffer/failed) | ECN marks | p99 reorder | reroute µs |"
     );
-    let _ = writeln!(
-        s,
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
-    );
+    let _ = writeln!(s, "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|");
     for row in &r.summary {
         let _ = writeln!(
             s,
@@ -79,11 +68,7 @@ pub fn markdown(r: &ExperimentResult) -> String {
                 s,
                 "| {} | {} | {} |",
                 row.scheme,
-                if row.size > 0 {
-                    human_bytes(row.size)
-                } else {
-                    "-".into()
-                },
+                if row.size > 0 { human_bytes(row.size) } else { "-".into() },
                 if row.failures { "yes" } else { "no" }
             );
             for l in &layers {
@@ -98,10 +83,7 @@ pub fn markdown(r: &ExperimentResult) -> String {
         }
     }
     if !r.queue_slope.is_empty() {
-        let _ = writeln!(
-            s,
-            "\nSlope of log(largest queue between switches) over log(message size):\n"
-        );
+        let _ = writeln!(s, "\nSlope of log(largest queue between switches) over log(message size):\n");
         let _ = writeln!(s, "| scheme | slope |\n|---|---|");
         for (k, v) in &r.queue_slope {
             let _ = writeln!(s, "| {k} | {v:.2} |");
@@ -135,18 +117,11 @@ impl Svg {
     }
 
     fn text(&mut self, x: f64, y: f64, anchor: &str, t: &str) {
-        let _ = write!(
-            self.s,
-            r#"<text x="{x:.1}" y="{y:.1}" text-anchor="{anchor}">{}</text>"#,
-            esc(t)
-        );
+        let _ = write!(self.s, r#"<text x="{x:.1}" y="{y:.1}" text-anchor="{anchor}">{}</text>"#, esc(t));
     }
 
     fn line(&mut self, x1: f64, y1: f64, x2: f64, y2: f64, color: &str) {
-        let _ = write!(
-            self.s,
-            r#"<line x1="{x1:.1}" y1="{y1:.1}" x2="{x2:.1}" y2="{y2:.1}" stroke="{color}"/>"#
-        );
+        let _ = write!(self.s, r#"<line x1="{x1:.1}" y1="{y1:.1}" x2="{x2:.1}" y2="{y2:.1}" stroke="{color}"/>"#);
     }
 
     fn finish(mut self) -> String {
@@ -172,30 +147,16 @@ fn tick(v: f64) -> String {
 }
 
 fn esc(t: &str) -> String {
-    t.replace('&', "&amp;")
-        .replace('<', "&lt;")
-        .replace('>', "&gt;")
+    t.replace('&', "&amp;").replace('<', "&lt;").replace('>', "&gt;")
 }
 
 /// Grouped bars: one group per label, one bar per series.
-pub fn bar_chart(
-    title: &str,
-    ylabel: &str,
-    groups: &[String],
-    series: &[(String, Vec<f64>)],
-) -> String {
+pub fn bar_chart(title: &str, ylabel: &str, groups: &[String], series: &[(String, Vec<f64>)]) -> String {
     let (w, h) = (760.0, 420.0);
     let (l, r, t, b) = (70.0, 160.0, 40.0, 60.0);
     let mut svg = Svg::new(w, h, title);
-    let max = series
-        .iter()
-        .flat_map(|s| s.1.iter().copied())
-        .fold(0.0f64, f64::max)
-        .max(1e-9);
-    let min = series
-        .iter()
-        .flat_map(|s| s.1.iter().copied())
-        .fold(0.0f64, f64::min);
+    let max = series.iter().flat_map(|s| s.1.iter().copied()).fold(0.0f64, f64::max).max(1e-9);
+    let min = series.iter().flat_map(|s| s.1.iter().copied()).fold(0.0f64, f64::min);
     let span = max - min;
     let y = |v: f64| t + (h - t - b) * (1.0 - (v - min) / span);
     svg.line(l, t, l, h - b, "black");
@@ -225,36 +186,20 @@ pub fn bar_chart(
         }
         svg.text(gx + gw * 0.4, h - b + 16.0, "middle", g);
     }
-    legend(
-        &mut svg,
-        w - r + 10.0,
-        t,
-        series.iter().map(|s| s.0.as_str()),
-    );
+    legend(&mut svg, w - r + 10.0, t, series.iter().map(|s| s.0.as_str()));
     svg.finish()
 }
 
 fn legend<'a>(svg: &mut Svg, x: f64, y: f64, names: impl Iterator<Item = &'a str>) {
     for (i, n) in names.enumerate() {
         let yy = y + 16.0 * i as f64;
-        let _ = write!(
-            svg.s,
-            r#"<rect x="{x:.1}" y="{:.1}" width="10" height="10" fill="{}"/>"#,
-            yy,
-            COLORS[i % COLORS.len()]
-        );
+        let _ = write!(svg.s, r#"<rect x="{x:.1}" y="{:.1}" width="10" height="10" fill="{}"/>"#, yy, COLORS[i % COLORS.len()]);
         svg.text(x + 14.0, yy + 9.0, "start", n);
     }
 }
 
 /// Lines: one per series of (x, y) points; `log` puts both axes on log scales.
-pub fn line_chart(
-    title: &str,
-    xlabel: &str,
-    ylabel: &str,
-    series: &[(String, Vec<(f64, f64)>)],
-    log: bool,
-) -> String {
+pub fn line_chart(title: &str, xlabel: &str, ylabel: &str, series: &[(String, Vec<(f64, f64)>)], log: bool) -> String {
     let (w, h) = (760.0, 420.0);
     let (l, r, t, b) = (70.0, 160.0, 40.0, 60.0);
     let mut svg = Svg::new(w, h, title);
@@ -294,23 +239,11 @@ pub fn line_chart(
     svg.text(14.0, t - 10.0, "start", ylabel);
     svg.text((l + w - r) / 2.0, h - 20.0, "middle", xlabel);
     for (i, (_, p)) in series.iter().enumerate() {
-        let d: Vec<String> = p
-            .iter()
-            .map(|&(x, y)| format!("{:.1},{:.1}", px(x), py(y)))
-            .collect();
-        let _ = write!(
-            svg.s,
-            r#"<polyline fill="none" stroke="{}" stroke-width="1.5" points="{}"/>"#,
-            COLORS[i % COLORS.len()],
-            d.join(" ")
-        );
+        let d: Vec<String> = p.iter().map(|&(x, y)| format!("{:.1},{:.1}", px(x), py(y))).collect();
+        let _ =
+            write!(svg.s, r#"<polyline fill="none" stroke="{}" stroke-width="1.5" points="{}"/>"#, COLORS[i % COLORS.len()], d.join(" "));
     }
-    legend(
-        &mut svg,
-        w - r + 10.0,
-        t,
-        series.iter().map(|s| s.0.as_str()),
-    );
+    legend(&mut svg, w - r + 10.0, t, series.iter().map(|s| s.0.as_str()));
     svg.finish()
 }
 
@@ -329,64 +262,29 @@ pub fn charts(r: &ExperimentResult) -> Vec<(String, String)> {
     }
     let labels: Vec<String> = groups
         .iter()
-        .map(|&(s, f)| {
-            format!(
-                "{}{}",
-                if s > 0 { human_bytes(s) } else { "run".into() },
-                if f { " +fail" } else { "" }
-            )
-        })
+        .map(|&(s, f)| format!("{}{}", if s > 0 { human_bytes(s) } else { "run".into() }, if f { " +fail" } else { "" }))
         .collect();
     let val = |f: &dyn Fn(&crate::experiment::SummaryRow) -> f64| -> Vec<(String, Vec<f64>)> {
-        schemes
-            .iter()
-            .map(|s| {
-                (
-                    s.clone(),
-                    groups
-                        .iter()
-                        .map(|&(size, fail)| r.row(s, size, fail).map_or(0.0, f))
-                        .collect(),
-                )
-            })
-            .collect()
+        schemes.iter().map(|s| (s.clone(), groups.iter().map(|&(size, fail)| r.row(s, size, fail).map_or(0.0, f)).collect())).collect()
     };
     out.push((
         "cct".into(),
-        bar_chart(
-            &format!("{}: CCT over the lower bound", r.scenario),
-            "CCT increase, %",
-            &labels,
-            &val(&|x| x.cct_increase_pct),
-        ),
+        bar_chart(&format!("{}: CCT over the lower bound", r.scenario), "CCT increase, %", &labels, &val(&|x| x.cct_increase_pct)),
     ));
     out.push((
         "queue".into(),
-        bar_chart(
-            &format!("{}: largest switch queue", r.scenario),
-            "KiB",
-            &labels,
-            &val(&|x| x.max_queue_bytes / 1024.0),
-        ),
+        bar_chart(&format!("{}: largest switch queue", r.scenario), "KiB", &labels, &val(&|x| x.max_queue_bytes / 1024.0)),
     ));
     if !r.queue_slope.is_empty() {
         let series: Vec<(String, Vec<(f64, f64)>)> = schemes
             .iter()
             .map(|s| {
                 (
-                    format!(
-                        "{s} (slope {:.2})",
-                        r.queue_slope.get(s).copied().unwrap_or(0.0)
-                    ),
+                    format!("{s} (slope {:.2})", r.queue_slope.get(s).copied().unwrap_or(0.0)),
                     r.summary
                         .iter()
                         .filter(|x| &x.scheme == s && x.failures == r.summary[0].failures)
-                        .map(|x| {
-                            (
-                                x.size as f64 / 1024.0,
-                                x.max_fabric_queue_bytes.max(1.0) / 1024.0,
-                            )
-                        })
+                        .map(|x| (x.size as f64 / 1024.0, x.max_fabric_queue_bytes.max(1.0) / 1024.0))
                         .collect(),
                 )
             })
@@ -407,44 +305,18 @@ pub fn charts(r: &ExperimentResult) -> Vec<(String, String)> {
         let series: Vec<(String, Vec<(f64, f64)>)> = schemes
             .iter()
             .filter_map(|s| {
-                let run = r
-                    .runs
-                    .iter()
-                    .find(|x| &x.scheme == s && x.size == size && x.failures == fail)?;
-                let sw: Vec<usize> = run
-                    .layers
-                    .iter()
-                    .enumerate()
-                    .filter(|(_, l)| !l.layer.starts_with("host"))
-                    .map(|(i, _)| i)
-                    .collect();
+                let run = r.runs.iter().find(|x| &x.scheme == s && x.size == size && x.failures == fail)?;
+                let sw: Vec<usize> = run.layers.iter().enumerate().filter(|(_, l)| !l.layer.starts_with("host")).map(|(i, _)| i).collect();
                 Some((
                     s.clone(),
-                    run.queue_series
-                        .iter()
-                        .map(|(t, v)| {
-                            (
-                                *t,
-                                sw.iter().map(|&i| v[i]).max().unwrap_or(0) as f64 / 1024.0,
-                            )
-                        })
-                        .collect(),
+                    run.queue_series.iter().map(|(t, v)| (*t, sw.iter().map(|&i| v[i]).max().unwrap_or(0) as f64 / 1024.0)).collect(),
                 ))
             })
             .collect();
         if series.iter().any(|s| !s.1.is_empty()) {
             out.push((
                 "queue-time".into(),
-                line_chart(
-                    &format!(
-                        "{}: largest switch queue over time ({})",
-                        r.scenario, labels[0]
-                    ),
-                    "time, µs",
-                    "KiB",
-                    &series,
-                    false,
-                ),
+                line_chart(&format!("{}: largest switch queue over time ({})", r.scenario, labels[0]), "time, µs", "KiB", &series, false),
             ));
         }
     }

@@ -30,10 +30,7 @@ pub enum ScenarioError {
 }
 
 pub(crate) fn invalid(field: impl Into<String>, reason: impl Into<String>) -> ScenarioError {
-    ScenarioError::Invalid {
-        field: field.into(),
-        reason: reason.into(),
-    }
+    ScenarioError::Invalid { field: field.into(), reason: reason.into() }
 }
 
 /// One experiment: a fabric, a workload, and the schemes (and message sizes) to run it with.
@@ -181,10 +178,7 @@ pub struct PacketSpec {
 
 impl Default for PacketSpec {
     fn default() -> Self {
-        Self {
-            payload: 4096,
-            overhead: 66,
-        }
+        Self { payload: 4096, overhead: 66 }
     }
 }
 
@@ -477,9 +471,7 @@ impl Scenario {
         if let (Some(b), Some(o)) = (base.as_object_mut(), ci.as_object()) {
             for (k, v) in o {
                 match (b.get_mut(k), v) {
-                    (Some(serde_json::Value::Object(bo)), serde_json::Value::Object(vo))
-                        if !vo.contains_key("kind") =>
-                    {
+                    (Some(serde_json::Value::Object(bo)), serde_json::Value::Object(vo)) if !vo.contains_key("kind") => {
                         for (k2, v2) in vo {
                             bo.insert(k2.clone(), v2.clone());
                         }
@@ -499,29 +491,14 @@ impl Scenario {
     /// Check values the types cannot.
     pub fn validate(&self) -> Result<(), ScenarioError> {
         match self.topology {
-            TopologySpec::LeafSpine {
-                hosts,
-                hosts_per_leaf,
-                spines,
-            } => {
+            TopologySpec::LeafSpine { hosts, hosts_per_leaf, spines } => {
                 if hosts < 2 || hosts_per_leaf == 0 || spines == 0 {
-                    return Err(invalid(
-                        "topology",
-                        "leaf_spine needs hosts >= 2, hosts_per_leaf >= 1, spines >= 1",
-                    ));
+                    return Err(invalid("topology", "leaf_spine needs hosts >= 2, hosts_per_leaf >= 1, spines >= 1"));
                 }
             }
-            TopologySpec::Rails {
-                hosts,
-                rails,
-                hosts_per_leaf,
-                spines,
-            } => {
+            TopologySpec::Rails { hosts, rails, hosts_per_leaf, spines } => {
                 if hosts < 2 || rails == 0 || rails > 64 || hosts_per_leaf == 0 || spines == 0 {
-                    return Err(invalid(
-                        "topology",
-                        "rails needs hosts >= 2, 1..=64 rails, hosts_per_leaf >= 1, spines >= 1",
-                    ));
+                    return Err(invalid("topology", "rails needs hosts >= 2, 1..=64 rails, hosts_per_leaf >= 1, spines >= 1"));
                 }
             }
             TopologySpec::FatTree { k } => {
@@ -534,27 +511,18 @@ impl Scenario {
             return Err(invalid("link", "gbps must be > 0 and latency_ns >= 0"));
         }
         if self.link.buffer_bytes < (self.packet.payload + 200) as u64 {
-            return Err(invalid(
-                "link.buffer_bytes",
-                "must hold at least one full packet",
-            ));
+            return Err(invalid("link.buffer_bytes", "must hold at least one full packet"));
         }
         // Prism's packets carry whole 128-byte lines (NCCL's LL128; `wire::LINE_BYTES`): the simulated
         // protocol would use a smaller payload than the wire-time model assumes.
         if !(128..=65_536).contains(&self.packet.payload) || !self.packet.payload.is_multiple_of(128) {
-            return Err(invalid(
-                "packet.payload",
-                "must be a multiple of 128 between 128 and 65536",
-            ));
+            return Err(invalid("packet.payload", "must be a multiple of 128 between 128 and 65536"));
         }
         if self.schemes.is_empty() {
             return Err(invalid("schemes", "list at least one scheme"));
         }
         for s in &self.schemes {
-            prism_lb::LbConfig::from_vars(&s.vars).map_err(|source| ScenarioError::Lb {
-                scheme: s.name.clone(),
-                source,
-            })?;
+            prism_lb::LbConfig::from_vars(&s.vars).map_err(|source| ScenarioError::Lb { scheme: s.name.clone(), source })?;
         }
         if !(0.0..=1.0).contains(&self.failures.random_link_prob) {
             return Err(invalid("failures.random_link_prob", "must be in [0, 1]"));
@@ -593,33 +561,22 @@ mod tests {
 
     #[test]
     fn an_unknown_field_is_an_error_naming_it() {
-        let e = Scenario::from_json(
-            &MINIMAL
-                .replace("\"runs\"", "\"x\"")
-                .replace("\"name\": \"t\",", "\"name\": \"t\", \"rnus\": 2,"),
-        )
-        .unwrap_err()
-        .to_string();
+        let e = Scenario::from_json(&MINIMAL.replace("\"runs\"", "\"x\"").replace("\"name\": \"t\",", "\"name\": \"t\", \"rnus\": 2,"))
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("rnus"), "{e}");
     }
 
     #[test]
     fn a_bad_policy_name_is_refused_with_prism_lbs_message() {
-        let e = Scenario::from_json(&MINIMAL.replace("\"pro\"", "\"zigzag\""))
-            .unwrap_err()
-            .to_string();
-        assert!(
-            e.contains("scheme a") && e.contains("PRISM_PATH=zigzag"),
-            "{e}"
-        );
+        let e = Scenario::from_json(&MINIMAL.replace("\"pro\"", "\"zigzag\"")).unwrap_err().to_string();
+        assert!(e.contains("scheme a") && e.contains("PRISM_PATH=zigzag"), "{e}");
     }
 
     #[test]
     fn the_ci_variant_merges_objects_one_level_deep() {
-        let text = MINIMAL.replace(
-            "\"schemes\"",
-            r#""ci": { "link": { "gbps": 10 }, "topology": { "kind": "fat_tree", "k": 4 } }, "schemes""#,
-        );
+        let text =
+            MINIMAL.replace("\"schemes\"", r#""ci": { "link": { "gbps": 10 }, "topology": { "kind": "fat_tree", "k": 4 } }, "schemes""#);
         let s = Scenario::from_json(&text).unwrap().ci_variant().unwrap();
         assert_eq!((s.link.gbps, s.link.buffer_bytes), (10.0, 100000));
         assert_eq!(s.topology.hosts(), 16);

@@ -26,15 +26,7 @@ pub struct Transfer {
 }
 
 fn t(src: usize, dst: usize, bytes: u64, deps: Vec<u32>) -> Transfer {
-    Transfer {
-        src: src as u32,
-        dst: dst as u32,
-        bytes,
-        deps,
-        start_us: 0.0,
-        home_rail: 0,
-        dst_rail: None,
-    }
+    Transfer { src: src as u32, dst: dst as u32, bytes, deps, start_us: 0.0, home_rail: 0, dst_rail: None }
 }
 
 /// A random cyclic permutation (Sattolo): `next[i]` is i's successor on one ring through all hosts.
@@ -110,26 +102,15 @@ pub fn generate(
                 }
             }
         }
-        WorkloadSpec::AllReduce {
-            bytes: b,
-            algorithm,
-            chunks,
-        } => {
+        WorkloadSpec::AllReduce { bytes: b, algorithm, chunks } => {
             let b = bytes.unwrap_or(*b);
             let ranks: Vec<usize> = (0..hosts).collect();
             allreduce(&mut v, &ranks, b, *algorithm, *chunks)?;
         }
-        WorkloadSpec::GroupAllReduce {
-            bytes: b,
-            group,
-            algorithm,
-        } => {
+        WorkloadSpec::GroupAllReduce { bytes: b, group, algorithm } => {
             let b = bytes.unwrap_or(*b);
             if *group < 2 || !hosts.is_multiple_of(*group) {
-                return Err(invalid(
-                    "workload.group",
-                    format!("{group}: must be >= 2 and divide the {hosts} hosts"),
-                ));
+                return Err(invalid("workload.group", format!("{group}: must be >= 2 and divide the {hosts} hosts")));
             }
             let stride = hosts / group;
             for g in 0..stride {
@@ -137,10 +118,7 @@ pub fn generate(
                 allreduce(&mut v, &ranks, b, *algorithm, 8)?;
             }
         }
-        WorkloadSpec::Moe {
-            bytes: b,
-            distribution,
-        } => {
+        WorkloadSpec::Moe { bytes: b, distribution } => {
             let b = bytes.unwrap_or(*b);
             moe(&mut v, hosts, rails, b, distribution, rng)?;
         }
@@ -163,13 +141,7 @@ pub fn generate(
 }
 
 /// Append an all-reduce of `b` bytes among `ranks`.
-fn allreduce(
-    v: &mut Vec<Transfer>,
-    ranks: &[usize],
-    b: u64,
-    algo: AllReduceAlgo,
-    chunks: u32,
-) -> Result<(), ScenarioError> {
+fn allreduce(v: &mut Vec<Transfer>, ranks: &[usize], b: u64, algo: AllReduceAlgo, chunks: u32) -> Result<(), ScenarioError> {
     let n = ranks.len();
     let piece = b.div_ceil(n as u64);
     match algo {
@@ -216,10 +188,7 @@ fn allreduce(
         }
         AllReduceAlgo::RecursiveDoubling => {
             if !n.is_power_of_two() {
-                return Err(invalid(
-                    "workload.algorithm",
-                    format!("recursive_doubling needs a power-of-two number of ranks, not {n}"),
-                ));
+                return Err(invalid("workload.algorithm", format!("recursive_doubling needs a power-of-two number of ranks, not {n}")));
             }
             let steps = n.trailing_zeros() as usize;
             let mut prev: Vec<Option<u32>> = vec![None; n];
@@ -237,12 +206,7 @@ fn allreduce(
                 for r in 0..n {
                     let d = r ^ dist;
                     now[d] = Some(v.len() as u32);
-                    v.push(t(
-                        ranks[r],
-                        ranks[d],
-                        bytes.max(1),
-                        prev[r].into_iter().collect(),
-                    ));
+                    v.push(t(ranks[r], ranks[d], bytes.max(1), prev[r].into_iter().collect()));
                 }
                 prev = now;
             }
@@ -252,8 +216,7 @@ fn allreduce(
             let per_chunk = (b / 2).div_ceil(c).max(1);
             for tree in 0..2 {
                 let rank_at = |i: usize| if tree == 0 { i } else { n - 1 - i };
-                let children =
-                    |i: usize| [2 * i + 1, 2 * i + 2].into_iter().filter(move |&c| c < n);
+                let children = |i: usize| [2 * i + 1, 2 * i + 2].into_iter().filter(move |&c| c < n);
                 // Chunks pipeline: a node forwards chunk c as soon as its children's chunk c is in.
                 for _chunk in 0..c {
                     // up[pos] = the up-transfer pos → parent of this chunk.
@@ -262,23 +225,15 @@ fn allreduce(
                     for i in (1..n).rev() {
                         let deps: Vec<u32> = children(i).filter_map(|ch| up[ch]).collect();
                         up[i] = Some(v.len() as u32);
-                        v.push(t(
-                            ranks[rank_at(i)],
-                            ranks[rank_at((i - 1) / 2)],
-                            per_chunk,
-                            deps,
-                        ));
+                        v.push(t(ranks[rank_at(i)], ranks[rank_at((i - 1) / 2)], per_chunk, deps));
                     }
                     // Broadcast down: the root once its children's chunk arrived, others after their
                     // parent's chunk arrived.
                     let mut down: Vec<Option<u32>> = vec![None; n];
                     for i in 0..n {
                         for ch in children(i) {
-                            let deps: Vec<u32> = if i == 0 {
-                                children(0).filter_map(|x| up[x]).collect()
-                            } else {
-                                down[i].into_iter().collect()
-                            };
+                            let deps: Vec<u32> =
+                                if i == 0 { children(0).filter_map(|x| up[x]).collect() } else { down[i].into_iter().collect() };
                             down[ch] = Some(v.len() as u32);
                             v.push(t(ranks[rank_at(i)], ranks[rank_at(ch)], per_chunk, deps));
                         }
@@ -322,10 +277,7 @@ fn moe(
         }
         MoeDistribution::Sparse { k, sparsity } => {
             if !(0.0..1.0).contains(sparsity) {
-                return Err(invalid(
-                    "workload.distribution.sparsity",
-                    "must be in [0, 1)",
-                ));
+                return Err(invalid("workload.distribution.sparsity", "must be in [0, 1)"));
             }
             let active_n = (((1.0 - sparsity) * g as f64).round() as usize).clamp((*k).max(1), g);
             let mut all: Vec<usize> = (0..g).collect();
@@ -394,29 +346,13 @@ pub fn lower_bound_us(
         sent[tr.src as usize] += wire(tr.bytes);
         recv[tr.dst as usize] += wire(tr.bytes);
     }
-    let load = sent
-        .iter()
-        .chain(recv.iter())
-        .fold(0.0f64, |a, &b| a.max(b))
-        / host_rate;
-    let min_lat = transfers
-        .iter()
-        .filter(|t| t.src != t.dst)
-        .map(|t| latency_us(t.src, t.dst))
-        .fold(f64::INFINITY, f64::min);
+    let load = sent.iter().chain(recv.iter()).fold(0.0f64, |a, &b| a.max(b)) / host_rate;
+    let min_lat = transfers.iter().filter(|t| t.src != t.dst).map(|t| latency_us(t.src, t.dst)).fold(f64::INFINITY, f64::min);
     let mut finish = vec![0.0f64; transfers.len()];
     for (i, tr) in transfers.iter().enumerate() {
         // Dependencies always point to earlier transfers (generation order).
-        let start = tr
-            .deps
-            .iter()
-            .map(|&d| finish[d as usize])
-            .fold(tr.start_us, f64::max);
-        finish[i] = if tr.src == tr.dst {
-            start
-        } else {
-            start + wire(tr.bytes) / host_rate + latency_us(tr.src, tr.dst)
-        };
+        let start = tr.deps.iter().map(|&d| finish[d as usize]).fold(tr.start_us, f64::max);
+        finish[i] = if tr.src == tr.dst { start } else { start + wire(tr.bytes) / host_rate + latency_us(tr.src, tr.dst) };
     }
     let chain = finish.iter().fold(0.0f64, |a, &b| a.max(b));
     chain.max(load + if min_lat.is_finite() { min_lat } else { 0.0 })
@@ -437,21 +373,14 @@ mod tests {
     }
 
     fn sent_by(v: &[Transfer], h: u32) -> u64 {
-        v.iter()
-            .filter(|t| t.src == h && t.dst != h)
-            .map(|t| t.bytes)
-            .sum()
+        v.iter().filter(|t| t.src == h && t.dst != h).map(|t| t.bytes).sum()
     }
 
     #[test]
     fn every_allreduce_algorithm_sends_the_bandwidth_optimal_volume_per_rank() {
         let m = 1u64 << 20;
         for algo in ["all_to_all", "ring", "recursive_doubling"] {
-            let v = gen(
-                &format!(r#"{{"kind":"all_reduce","bytes":{m},"algorithm":"{algo}"}}"#),
-                8,
-                1,
-            );
+            let v = gen(&format!(r#"{{"kind":"all_reduce","bytes":{m},"algorithm":"{algo}"}}"#), 8, 1);
             for h in 0..8 {
                 // 2 (N-1)/N · M per rank.
                 assert_eq!(sent_by(&v, h), 2 * 7 * m / 8, "{algo}, rank {h}");
@@ -461,27 +390,12 @@ mod tests {
 
     #[test]
     fn dependencies_point_backwards_so_every_collective_can_finish() {
-        for algo in [
-            "all_to_all",
-            "ring",
-            "recursive_doubling",
-            "double_binary_tree",
-        ] {
-            let v = gen(
-                &format!(r#"{{"kind":"all_reduce","bytes":1048576,"algorithm":"{algo}"}}"#),
-                16,
-                1,
-            );
+        for algo in ["all_to_all", "ring", "recursive_doubling", "double_binary_tree"] {
+            let v = gen(&format!(r#"{{"kind":"all_reduce","bytes":1048576,"algorithm":"{algo}"}}"#), 16, 1);
             for (i, t) in v.iter().enumerate() {
-                assert!(
-                    t.deps.iter().all(|&d| (d as usize) < i),
-                    "{algo}: transfer {i}"
-                );
+                assert!(t.deps.iter().all(|&d| (d as usize) < i), "{algo}: transfer {i}");
                 // A transfer waits for data that arrived at its own source.
-                assert!(
-                    t.deps.iter().all(|&d| v[d as usize].dst == t.src),
-                    "{algo}: transfer {i}"
-                );
+                assert!(t.deps.iter().all(|&d| v[d as usize].dst == t.src), "{algo}: transfer {i}");
             }
         }
     }
@@ -516,28 +430,16 @@ mod tests {
 
     #[test]
     fn uniform_moe_spreads_each_gpus_bytes_over_the_other_hosts_gpus() {
-        let v = gen(
-            r#"{"kind":"moe","bytes":1270000,"distribution":{"kind":"uniform"}}"#,
-            4,
-            4,
-        );
+        let v = gen(r#"{"kind":"moe","bytes":1270000,"distribution":{"kind":"uniform"}}"#, 4, 4);
         // 16 GPUs; each sends 1/15 of its bytes to each other GPU; the 3 on its own host stay local.
-        let from_gpu0: u64 = v
-            .iter()
-            .filter(|t| t.src == 0 && t.home_rail == 0)
-            .map(|t| t.bytes)
-            .sum();
+        let from_gpu0: u64 = v.iter().filter(|t| t.src == 0 && t.home_rail == 0).map(|t| t.bytes).sum();
         assert_eq!(from_gpu0, 12 * (1_270_000f64 / 15.0).round() as u64);
         assert!(v.iter().all(|t| t.src != t.dst && t.dst_rail.is_some()));
     }
 
     #[test]
     fn the_lower_bound_is_the_busiest_hosts_bytes_at_line_rate() {
-        let v = vec![
-            t(0, 1, 1000, vec![]),
-            t(0, 2, 1000, vec![]),
-            t(3, 1, 500, vec![]),
-        ];
+        let v = vec![t(0, 1, 1000, vec![]), t(0, 2, 1000, vec![]), t(3, 1, 500, vec![])];
         let b = lower_bound_us(&v, 4, 100.0, 1, |x| x as f64, |_, _| 1.0);
         // Host 0 sends 2000 B at 100 B/µs: 20 µs, plus 1 µs of latency.
         assert!((b - 21.0).abs() < 1e-9, "{b}");

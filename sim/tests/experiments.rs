@@ -7,29 +7,18 @@ use std::path::Path;
 use prism_sim::{run_scenario, ExperimentResult, Scenario};
 
 fn ci(name: &str) -> ExperimentResult {
-    let path = Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("scenarios")
-        .join(format!("{name}.json"));
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("scenarios").join(format!("{name}.json"));
     let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
-    let sc = Scenario::from_json(&text)
-        .and_then(|s| s.ci_variant())
-        .unwrap_or_else(|e| panic!("{name}: {e}"));
-    let r =
-        run_scenario(&sc, false, true).unwrap_or_else(|e| panic!("{name} (seed {}): {e}", sc.seed));
+    let sc = Scenario::from_json(&text).and_then(|s| s.ci_variant()).unwrap_or_else(|e| panic!("{name}: {e}"));
+    let r = run_scenario(&sc, false, true).unwrap_or_else(|e| panic!("{name} (seed {}): {e}", sc.seed));
     for row in &r.summary {
-        assert_eq!(
-            row.completed, row.runs,
-            "{name} (seed {}): {} did not finish",
-            sc.seed, row.scheme
-        );
+        assert_eq!(row.completed, row.runs, "{name} (seed {}): {} did not finish", sc.seed, row.scheme);
     }
     r
 }
 
 fn cct(r: &ExperimentResult, scheme: &str, failures: bool) -> f64 {
-    r.first(scheme, failures)
-        .unwrap_or_else(|| panic!("{}: no row for {scheme}", r.scenario))
-        .cct_us
+    r.first(scheme, failures).unwrap_or_else(|| panic!("{}: no row for {scheme}", r.scenario)).cct_us
 }
 
 fn maxq(r: &ExperimentResult, scheme: &str) -> f64 {
@@ -40,20 +29,9 @@ fn maxq(r: &ExperimentResult, scheme: &str) -> f64 {
 fn seed_000_packet_spraying_schemes_finish_all_to_all_well_before_ecmp() {
     let r = ci("000-fat-tree-ata");
     let ecmp = cct(&r, "ECMP", false);
-    for s in [
-        "host spray",
-        "REPS",
-        "switch RR",
-        "switch AR",
-        "host DR",
-        "OFAN",
-    ] {
+    for s in ["host spray", "REPS", "switch RR", "switch AR", "host DR", "OFAN"] {
         let c = cct(&r, s, false);
-        assert!(
-            c < 0.5 * ecmp,
-            "seed {}: {s} CCT {c} µs vs ECMP {ecmp} µs",
-            r.runs[0].seed
-        );
+        assert!(c < 0.5 * ecmp, "seed {}: {s} CCT {c} µs vs ECMP {ecmp} µs", r.runs[0].seed);
     }
 }
 
@@ -62,57 +40,27 @@ fn seed_000_destination_rotation_queues_grow_slower_with_message_size_than_rando
     let r = ci("000-queue-growth");
     let slope = |s: &str| r.queue_slope[s];
     let seed = r.runs[0].seed;
-    assert!(
-        slope("host DR") < slope("host spray"),
-        "seed {seed}: DR slope {} vs spray slope {}",
-        slope("host DR"),
-        slope("host spray")
-    );
-    assert!(
-        slope("OFAN") < slope("host spray"),
-        "seed {seed}: {:?}",
-        r.queue_slope
-    );
-    assert!(
-        slope("host spray") > 0.3,
-        "seed {seed}: spraying's queue grows with m: {:?}",
-        r.queue_slope
-    );
+    assert!(slope("host DR") < slope("host spray"), "seed {seed}: DR slope {} vs spray slope {}", slope("host DR"), slope("host spray"));
+    assert!(slope("OFAN") < slope("host spray"), "seed {seed}: {:?}", r.queue_slope);
+    assert!(slope("host spray") > 0.3, "seed {seed}: spraying's queue grows with m: {:?}", r.queue_slope);
 }
 
 #[test]
 fn seed_000_host_adaptive_spraying_beats_switch_adaptive_routing_when_links_fail_silently() {
     let r = ci("000-failures");
     let (reps, ar) = (cct(&r, "REPS", true), cct(&r, "switch AR", true));
-    assert!(
-        reps < ar,
-        "seed {}: REPS {reps} µs vs switch AR {ar} µs",
-        r.runs[0].seed
-    );
+    assert!(reps < ar, "seed {}: REPS {reps} µs vs switch AR {ar} µs", r.runs[0].seed);
     assert!(cct(&r, "REPS", false) < reps, "failures cost something");
 }
 
 #[test]
 fn seed_001_ethereal_is_at_least_as_fast_as_spraying_on_5_flows_over_4_uplinks() {
     let r = ci("001-ethereal-5-flows");
-    let (eth, spray, ecmp) = (
-        cct(&r, "Ethereal", false),
-        cct(&r, "spray", false),
-        cct(&r, "ECMP", false),
-    );
+    let (eth, spray, ecmp) = (cct(&r, "Ethereal", false), cct(&r, "spray", false), cct(&r, "ECMP", false));
     let seed = r.runs[0].seed;
-    assert!(
-        eth <= spray * 1.01,
-        "seed {seed}: Ethereal {eth} µs vs spray {spray} µs"
-    );
-    assert!(
-        eth < ecmp,
-        "seed {seed}: Ethereal {eth} µs vs ECMP {ecmp} µs"
-    );
-    assert!(
-        maxq(&r, "Ethereal") < maxq(&r, "spray"),
-        "seed {seed}: exact split queues less"
-    );
+    assert!(eth <= spray * 1.01, "seed {seed}: Ethereal {eth} µs vs spray {spray} µs");
+    assert!(eth < ecmp, "seed {seed}: Ethereal {eth} µs vs ECMP {ecmp} µs");
+    assert!(maxq(&r, "Ethereal") < maxq(&r, "spray"), "seed {seed}: exact split queues less");
 }
 
 #[test]
@@ -121,24 +69,9 @@ fn seed_001_ethereal_beats_spraying_and_ecmp_on_recursive_doubling() {
     let seed = r.runs[0].seed;
     let size = *r.summary.iter().map(|x| &x.size).max().expect("sizes");
     let at = |s: &str| r.row(s, size, false).expect("row").cct_us;
-    assert!(
-        at("Ethereal") < at("spray"),
-        "seed {seed}: {} vs {}",
-        at("Ethereal"),
-        at("spray")
-    );
-    assert!(
-        at("Ethereal") < at("REPS"),
-        "seed {seed}: {} vs {}",
-        at("Ethereal"),
-        at("REPS")
-    );
-    assert!(
-        at("Ethereal") < at("ECMP"),
-        "seed {seed}: {} vs {}",
-        at("Ethereal"),
-        at("ECMP")
-    );
+    assert!(at("Ethereal") < at("spray"), "seed {seed}: {} vs {}", at("Ethereal"), at("spray"));
+    assert!(at("Ethereal") < at("REPS"), "seed {seed}: {} vs {}", at("Ethereal"), at("REPS"));
+    assert!(at("Ethereal") < at("ECMP"), "seed {seed}: {} vs {}", at("Ethereal"), at("ECMP"));
 }
 
 #[test]
@@ -148,25 +81,15 @@ fn seed_001_ethereal_still_beats_spraying_and_ecmp_under_per_packet_congestion_c
     let size = *r.summary.iter().map(|x| &x.size).max().expect("sizes");
     let at = |s: &str| r.row(s, size, false).expect("row").cct_us;
     for other in ["spray", "REPS", "ECMP"] {
-        assert!(
-            at("Ethereal") < at(other),
-            "seed {seed}: Ethereal {} µs vs {other} {} µs",
-            at("Ethereal"),
-            at(other)
-        );
+        assert!(at("Ethereal") < at(other), "seed {seed}: Ethereal {} µs vs {other} {} µs", at("Ethereal"), at(other));
     }
 }
 
 #[test]
 fn seed_001_every_scheme_is_about_the_same_on_a_ring() {
     let r = ci("001-ethereal-ring");
-    let c: Vec<f64> = ["Ethereal", "spray", "REPS"]
-        .iter()
-        .map(|s| cct(&r, s, false))
-        .collect();
-    let (lo, hi) = c
-        .iter()
-        .fold((f64::MAX, 0.0f64), |(a, b), &x| (a.min(x), b.max(x)));
+    let c: Vec<f64> = ["Ethereal", "spray", "REPS"].iter().map(|s| cct(&r, s, false)).collect();
+    let (lo, hi) = c.iter().fold((f64::MAX, 0.0f64), |(a, b), &x| (a.min(x), b.max(x)));
     assert!(hi / lo < 1.1, "seed {}: {c:?}", r.runs[0].seed);
 }
 
@@ -174,48 +97,26 @@ fn seed_001_every_scheme_is_about_the_same_on_a_ring() {
 fn seed_002_pro_keeps_the_largest_queue_far_below_random_spraying() {
     let r = ci("002-pro-ring");
     let (pro, spray) = (maxq(&r, "PRO"), maxq(&r, "random spray"));
-    assert!(
-        pro * 3.0 < spray,
-        "seed {}: PRO {pro} B vs spray {spray} B",
-        r.runs[0].seed
-    );
-    assert!(
-        cct(&r, "PRO", false) <= cct(&r, "random spray", false),
-        "and finishes no later"
-    );
+    assert!(pro * 3.0 < spray, "seed {}: PRO {pro} B vs spray {spray} B", r.runs[0].seed);
+    assert!(cct(&r, "PRO", false) <= cct(&r, "random spray", false), "and finishes no later");
 }
 
 #[test]
 fn seed_003_mcc_keeps_throughput_under_partial_congestion_where_per_packet_cc_overreacts() {
     let r = ci("003-mcc");
-    let (mcc, pkt) = (
-        cct(&r, "REPS + MCC", true),
-        cct(&r, "REPS + per-packet CC", true),
-    );
-    assert!(
-        mcc < 0.9 * pkt,
-        "seed {}: MCC {mcc} µs vs per-packet CC {pkt} µs",
-        r.runs[0].seed
-    );
+    let (mcc, pkt) = (cct(&r, "REPS + MCC", true), cct(&r, "REPS + per-packet CC", true));
+    assert!(mcc < 0.9 * pkt, "seed {}: MCC {mcc} µs vs per-packet CC {pkt} µs", r.runs[0].seed);
 }
 
 #[test]
 fn seed_004_lpt_rails_beat_single_rail_ecmp_and_reps_under_skew_and_sparsity() {
-    for name in [
-        "004-rails-sparse",
-        "004-rails-sender-skew",
-        "004-rails-receiver-skew",
-    ] {
+    for name in ["004-rails-sparse", "004-rails-sender-skew", "004-rails-receiver-skew"] {
         let r = ci(name);
         let seed = r.runs[0].seed;
         let lpt = cct(&r, "RailS (LPT)", false);
         for base in ["ECMP", "REPS"] {
             let b = cct(&r, base, false);
-            assert!(
-                b / lpt > 1.5,
-                "{name} seed {seed}: bus bandwidth ratio RailS/{base} = {}",
-                b / lpt
-            );
+            assert!(b / lpt > 1.5, "{name} seed {seed}: bus bandwidth ratio RailS/{base} = {}", b / lpt);
         }
     }
 }
@@ -225,11 +126,7 @@ fn seed_004_lpt_rails_match_the_baselines_on_uniform_traffic() {
     let r = ci("004-rails-uniform");
     let lpt = cct(&r, "RailS (LPT)", false);
     let ecmp = cct(&r, "ECMP", false);
-    assert!(
-        lpt <= ecmp * 1.02,
-        "seed {}: {lpt} vs {ecmp}",
-        r.runs[0].seed
-    );
+    assert!(lpt <= ecmp * 1.02, "seed {}: {lpt} vs {ecmp}", r.runs[0].seed);
 }
 
 #[test]
@@ -237,9 +134,6 @@ fn a_run_is_deterministic_for_its_seed() {
     let a = ci("002-pro-ring");
     let b = ci("002-pro-ring");
     for (x, y) in a.runs.iter().zip(&b.runs) {
-        assert_eq!(
-            (x.cct_us, x.events, x.max_switch_queue_bytes),
-            (y.cct_us, y.events, y.max_switch_queue_bytes)
-        );
+        assert_eq!((x.cct_us, x.events, x.max_switch_queue_bytes), (y.cct_us, y.events, y.max_switch_queue_bytes));
     }
 }

@@ -80,8 +80,16 @@ fn bench(c: &mut Criterion) {
     });
 
     // PSN 0 is missing; the SACK reports PSNs 1..=256 (so it also declares PSN 0 lost).
-    let sack =
-        SackRepr { token: LOCAL, cts_ack: 0, cum_psn: 0, base_psn: 1, bitmap: [u64::MAX; 4], echo: Some((3, 2)), congested: false, spurious: false };
+    let sack = SackRepr {
+        token: LOCAL,
+        cts_ack: 0,
+        cum_psn: 0,
+        base_psn: 1,
+        bitmap: [u64::MAX; 4],
+        echo: Some((3, 2)),
+        congested: false,
+        spurious: false,
+    };
     let mut sbuf = [0u8; SACK_LEN];
     sack.emit(&mut SackPacket::new_unchecked(&mut sbuf[..]));
     let in_flight = || {

@@ -50,9 +50,7 @@ fn host_has_rdma() -> bool {
 fn make(kv: &[(&str, &str)]) -> (Result<Net, String>, Vec<String>) {
     let cap = Capture::default();
     let cfg = TransportConfig::from_vars(&vars(kv)).unwrap();
-    let net = tracing::subscriber::with_default(cap.clone(), || {
-        Net::new(cfg, prism_lb::LbConfig::default()).map_err(|e| e.to_string())
-    });
+    let net = tracing::subscriber::with_default(cap.clone(), || Net::new(cfg, prism_lb::LbConfig::default()).map_err(|e| e.to_string()));
     let lines = cap.0.lock().unwrap().clone();
     (net, lines)
 }

@@ -34,11 +34,8 @@ fn pattern(seed: u64, len: usize) -> Vec<u8> {
 }
 
 fn net(extra: &[(&str, &str)]) -> Net {
-    let mut vars: BTreeMap<String, String> = [("PRISM_IFNAMES", "lo"), ("PRISM_SEED", "42")]
-        .iter()
-        .chain(extra)
-        .map(|(k, v)| (k.to_string(), v.to_string()))
-        .collect();
+    let mut vars: BTreeMap<String, String> =
+        [("PRISM_IFNAMES", "lo"), ("PRISM_SEED", "42")].iter().chain(extra).map(|(k, v)| (k.to_string(), v.to_string())).collect();
     vars.entry("PRISM_PATHS".into()).or_insert_with(|| "8".into());
     Net::new(TransportConfig::from_vars(&vars).unwrap(), prism_lb::LbConfig::default()).unwrap()
 }
@@ -60,17 +57,18 @@ fn pair(net: &Net) -> (SendComm, RecvComm) {
     (s.unwrap(), r.unwrap())
 }
 
+/// One grouped receive's outcome (its sizes, or the error) and the bytes of its buffers.
+type RecvOutcome = (Result<Vec<usize>, String>, Vec<Vec<u8>>);
+
 /// Drive both comms until every request is done; returns each receive's sizes (or error).
 fn run(
     s: &mut SendComm,
     r: &mut RecvComm,
     sends: Vec<(Vec<u8>, i32)>,
     recvs: Vec<Vec<(usize, i32)>>,
-) -> (Vec<Result<usize, String>>, Vec<(Result<Vec<usize>, String>, Vec<Vec<u8>>)>) {
-    let rbufs: Vec<Vec<SharedRecv>> = recvs
-        .iter()
-        .map(|g| g.iter().map(|&(n, _)| SharedRecv(Arc::new(Mutex::new(vec![0xEE; n])), n)).collect())
-        .collect();
+) -> (Vec<Result<usize, String>>, Vec<RecvOutcome>) {
+    let rbufs: Vec<Vec<SharedRecv>> =
+        recvs.iter().map(|g| g.iter().map(|&(n, _)| SharedRecv(Arc::new(Mutex::new(vec![0xEE; n])), n)).collect()).collect();
     let mut rreqs = Vec::new();
     for (g, bufs) in recvs.iter().zip(&rbufs) {
         let items: Vec<(Box<dyn RecvBuf>, i32)> =
@@ -105,11 +103,8 @@ fn run(
         }
         assert!(t0.elapsed() < Duration::from_secs(60), "transfer did not finish: sends {sres:?} recvs {rres:?}");
     }
-    let recv_out = rres
-        .into_iter()
-        .zip(rbufs)
-        .map(|(res, bufs)| (res.unwrap(), bufs.iter().map(|b| b.0.lock().unwrap().clone()).collect()))
-        .collect();
+    let recv_out =
+        rres.into_iter().zip(rbufs).map(|(res, bufs)| (res.unwrap(), bufs.iter().map(|b| b.0.lock().unwrap().clone()).collect())).collect();
     (sres.into_iter().map(Option::unwrap).collect(), recv_out)
 }
 

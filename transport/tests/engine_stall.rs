@@ -33,10 +33,7 @@ fn fake_peer(tcp: TcpListener, udp: UdpSocket, stop: Arc<AtomicBool>) -> (u64, u
     let mut hello = [0u8; HELLO_LEN];
     s.read_exact(&mut hello).unwrap();
     let token = u64::from_be_bytes(hello[16..24].try_into().unwrap());
-    let rail = SocketAddr::from((
-        [hello[48], hello[49], hello[50], hello[51]],
-        u16::from_be_bytes([hello[52], hello[53]]),
-    ));
+    let rail = SocketAddr::from(([hello[48], hello[49], hello[50], hello[51]], u16::from_be_bytes([hello[52], hello[53]])));
     let mut reply = [0u8; HELLO_LEN];
     reply[0..5].copy_from_slice(&hello[0..5]);
     reply[6] = 1;

@@ -38,10 +38,8 @@ fn payload(k: usize) -> Vec<u8> {
 }
 
 fn net() -> Net {
-    let vars: BTreeMap<String, String> = [("PRISM_IFNAMES", "lo"), ("PRISM_SEED", "42"), ("PRISM_PATHS", "8")]
-        .iter()
-        .map(|(k, v)| (k.to_string(), v.to_string()))
-        .collect();
+    let vars: BTreeMap<String, String> =
+        [("PRISM_IFNAMES", "lo"), ("PRISM_SEED", "42"), ("PRISM_PATHS", "8")].iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
     Net::new(TransportConfig::from_vars(&vars).unwrap(), prism_lb::LbConfig::default()).unwrap()
 }
 

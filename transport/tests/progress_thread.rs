@@ -36,10 +36,8 @@ fn progress_thread_appears() -> bool {
 }
 
 fn net() -> Net {
-    let vars: BTreeMap<String, String> = [("PRISM_IFNAMES", "lo"), ("PRISM_SEED", "7"), ("PRISM_PATHS", "4")]
-        .iter()
-        .map(|(k, v)| (k.to_string(), v.to_string()))
-        .collect();
+    let vars: BTreeMap<String, String> =
+        [("PRISM_IFNAMES", "lo"), ("PRISM_SEED", "7"), ("PRISM_PATHS", "4")].iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
     Net::new(TransportConfig::from_vars(&vars).unwrap(), prism_lb::LbConfig::default()).unwrap()
 }
 

@@ -14,8 +14,8 @@ use std::panic::{catch_unwind, resume_unwind, AssertUnwindSafe};
 use prism_lb::path::{Ecmp, Spray};
 use prism_lb::PathPolicy;
 use prism_transport::proto::{
-    Completion, ConnStats, Connection, Micros, MsgError, MsgId, PathHealth, PayloadSource, Placer, PostError, ProtoConfig,
-    RecvSpec, MAX_OUTSTANDING_RECVS, MAX_OUTSTANDING_SENDS,
+    Completion, ConnStats, Connection, Micros, MsgError, MsgId, PathHealth, PayloadSource, Placer, PostError, ProtoConfig, RecvSpec,
+    MAX_OUTSTANDING_RECVS, MAX_OUTSTANDING_SENDS,
 };
 use prism_transport::wire::{DataPacket, DataRepr, Header, PacketType, MAX_HEADER_LEN};
 use rand::{rngs::SmallRng, Rng, SeedableRng};
@@ -320,9 +320,9 @@ impl Sim {
                 let scanned = end.conn.poll_timeout();
                 assert_eq!(end.conn.next_timeout(), scanned, "end {i} at {} µs: next_timeout differs from poll_timeout", self.now);
             }
-            let next = self.next_event().unwrap_or_else(|| {
-                panic!("at {} µs nothing is pending but the run is not done: a driver would sleep forever", self.now)
-            });
+            let next = self
+                .next_event()
+                .unwrap_or_else(|| panic!("at {} µs nothing is pending but the run is not done: a driver would sleep forever", self.now));
             assert!(next <= limit, "not done by {limit} µs (next event at {next} µs)");
             self.advance(next);
         }
@@ -573,10 +573,7 @@ fn black_holed_path_is_marked_dead_and_its_packets_are_resent_elsewhere() {
             let resent_elsewhere = log.iter().any(|d| d.psn == *psn && d.retx && d.entropy != HOLE && d.at >= t_hole);
             assert!(resent_elsewhere, "PSN {psn} lost in the hole was never resent on another path");
         }
-        assert!(
-            !log.iter().any(|d| d.entropy == HOLE && d.retx && d.at >= t_hole),
-            "a retransmission went into the black-holed path"
-        );
+        assert!(!log.iter().any(|d| d.entropy == HOLE && d.retx && d.at >= t_hole), "a retransmission went into the black-holed path");
         assert!(!log.iter().any(|d| d.entropy == HOLE && d.queued_at > dead_at), "DATA was sent on the path after it was marked dead");
         // Recovery costs a few minimum RTOs at most, not the peer timeout or a revive period.
         let bound = clean + 10 * cfg.rto_min_us;
@@ -938,7 +935,11 @@ fn half_the_paths_black_holed_both_ways_carry_nothing_but_paced_probes_soon_afte
         let t0 = sim.now;
         let late = post_late(&mut sim, t0 + 1_000_000);
         verify(&sim, &late);
-        let probes = sim.wire_log.iter().filter(|w| w.from == A && w.at >= t0 && w.ptype == Some(PacketType::Control) && holes.contains(&w.entropy)).count() as u64;
+        let probes = sim
+            .wire_log
+            .iter()
+            .filter(|w| w.from == A && w.at >= t0 && w.ptype == Some(PacketType::Control) && holes.contains(&w.entropy))
+            .count() as u64;
         let budget = 1_000_000 / cfg.path_revive_us + 2;
         assert!(probes >= 1, "the dead paths were never probed");
         assert!(probes <= budget, "{probes} control packets into the dead paths in 1 s: more than the {budget} paced probes");
@@ -946,4 +947,3 @@ fn half_the_paths_black_holed_both_ways_carry_nothing_but_paced_probes_soon_afte
         assert_eq!(into_holes(&sim, B, PacketType::Sack, t0), 0, "a SACK went into a black-holed path late");
     });
 }
-

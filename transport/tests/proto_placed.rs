@@ -51,12 +51,7 @@ fn is_data(p: &[u8]) -> bool {
 
 /// Run sender `a` (message `msg`) against receiver `b` whose buffer is `rbuf`; DATA goes through
 /// `deliver_data`, which may "write" and then calls handle_placed_data (or not).
-fn exchange(
-    a: &mut Connection,
-    b: &mut Connection,
-    msg: &[u8],
-    mut deliver_data: impl FnMut(&mut Connection, &[u8], u64),
-) {
+fn exchange(a: &mut Connection, b: &mut Connection, msg: &[u8], mut deliver_data: impl FnMut(&mut Connection, &[u8], u64)) {
     let mut src = Source(msg.to_vec());
     let mut empty = Source(Vec::new());
     for round in 0..200u64 {

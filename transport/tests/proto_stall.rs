@@ -209,10 +209,7 @@ fn forged_data_ahead_of_the_sender_fails_the_send_within_the_stall_timeout() {
     assert!(*t >= STALL_US && *t <= STALL_US + 500_000, "the send failed at {t} µs, bound {STALL_US} µs");
     assert!(ms >= STALL_US / 1000 && reason.contains("unacknowledged"), "{c:?}");
     let Completion::Failed { error, .. } = c else { unreachable!("checked above") };
-    assert_eq!(
-        error.to_string(),
-        format!("no progress for {ms} ms while the peer was alive: DATA sent to the peer stays unacknowledged")
-    );
+    assert_eq!(error.to_string(), format!("no progress for {ms} ms while the peer was alive: DATA sent to the peer stays unacknowledged"));
     // The forged bytes cover exactly the real first packet's range, so the receive is complete, with
     // the forged bytes in it (without authentication they cannot be told apart); every other byte is
     // the sender's.
@@ -239,7 +236,10 @@ fn forged_partial_data_fails_both_ends_within_the_stall_timeout() {
         assert!(*t >= STALL_US && *t <= STALL_US + 500_000, "end {end} failed at {t} µs, bound {STALL_US} µs");
     }
     let (_, rc) = &sim.done[B][0];
-    assert!(matches!(rc, Completion::Failed { msg, error: MsgError::Stalled { reason, .. } } if *msg == recv && reason.contains("receive")), "{rc:?}");
+    assert!(
+        matches!(rc, Completion::Failed { msg, error: MsgError::Stalled { reason, .. } } if *msg == recv && reason.contains("receive")),
+        "{rc:?}"
+    );
 }
 
 #[test]

@@ -7,8 +7,8 @@ use std::collections::BTreeMap;
 use prism_lb::path::Spray;
 use prism_transport::proto::{ConnStats, Connection, MsgId, Placer, ProtoConfig, RecvSpec};
 use prism_transport::wire::{
-    ControlKind, ControlPacket, ControlRepr, CtsBuf, CtsPacket, CtsRepr, DataPacket, DataRepr, SackPacket, SackRepr,
-    DATA_HEADER_LEN, MAX_RECV_BUFS, SACK_LEN,
+    ControlKind, ControlPacket, ControlRepr, CtsBuf, CtsPacket, CtsRepr, DataPacket, DataRepr, SackPacket, SackRepr, DATA_HEADER_LEN,
+    MAX_RECV_BUFS, SACK_LEN,
 };
 use proptest::prelude::*;
 
@@ -250,7 +250,17 @@ fn plausible_packet() -> impl Strategy<Value = Vec<u8>> {
         (0..4u64, 0..2u64, 0..2u8, 0..120u64, 0..60u32, 0..130u64, any::<(bool, bool)>()).prop_map(
             |(psn, cts_ack, sub, offset, len, total, (trunc, retx))| {
                 let (offset, len) = if trunc { (0, 0) } else { (offset, len) };
-                data(&DataRepr { psn, cts_ack, sub, offset, len, total_len: total.max(offset + u64::from(len)), trunc, retx, ..data_repr() })
+                data(&DataRepr {
+                    psn,
+                    cts_ack,
+                    sub,
+                    offset,
+                    len,
+                    total_len: total.max(offset + u64::from(len)),
+                    trunc,
+                    retx,
+                    ..data_repr()
+                })
             }
         ),
         (0..2u64, 0..3u64, prop::collection::vec((0..600u64, 0..3i32), 1..=3)).prop_map(|(cts_ack, seq, bufs)| {
@@ -262,7 +272,16 @@ fn plausible_packet() -> impl Strategy<Value = Vec<u8>> {
         }),
         (0..2u64, 0..4u64, 0..4u64, 0..16u64, any::<Option<(u16, u32)>>(), any::<(bool, bool)>()).prop_map(
             |(cts_ack, cum_psn, gap, bits, echo, (congested, spurious))| {
-                let r = SackRepr { token: LOCAL, cts_ack, cum_psn, base_psn: cum_psn + gap, bitmap: [bits, 0, 0, 0], echo, congested, spurious };
+                let r = SackRepr {
+                    token: LOCAL,
+                    cts_ack,
+                    cum_psn,
+                    base_psn: cum_psn + gap,
+                    bitmap: [bits, 0, 0, 0],
+                    echo,
+                    congested,
+                    spurious,
+                };
                 let mut b = vec![0u8; SACK_LEN];
                 r.emit(&mut SackPacket::new_unchecked(&mut b[..]));
                 b

@@ -26,11 +26,7 @@ pub struct DrShared {
 impl DrShared {
     /// A pointer whose random order and start are fixed by `seed`.
     pub fn new(seed: u64) -> Self {
-        Self {
-            order: Vec::new(),
-            pos: 0,
-            rng: SmallRng::seed_from_u64(seed),
-        }
+        Self { order: Vec::new(), pos: 0, rng: SmallRng::seed_from_u64(seed) }
     }
 
     /// Shared state wrapped for several flows.
@@ -63,10 +59,7 @@ pub struct Dr {
 impl Dr {
     /// A flow that rotates with the pointer in `shared`.
     pub fn new(shared: Arc<Mutex<DrShared>>) -> Self {
-        Self {
-            shared,
-            dead: DeadSet::default(),
-        }
+        Self { shared, dead: DeadSet::default() }
     }
 }
 
@@ -118,13 +111,7 @@ mod tests {
     use super::*;
 
     fn ctx(m: u16) -> PathCtx {
-        PathCtx {
-            msg: 0, offset: 0,
-            n_paths: m,
-            retransmit: false,
-            avoid: None,
-            now_us: 0,
-        }
+        PathCtx { msg: 0, offset: 0, n_paths: m, retransmit: false, avoid: None, now_us: 0 }
     }
 
     fn covers_once(picks: &[u16], m: u16) -> bool {
@@ -168,20 +155,14 @@ mod tests {
 
     #[test]
     fn different_seeds_start_at_different_places() {
-        let firsts: std::collections::HashSet<u16> = (0..32)
-            .map(|s| Dr::new(DrShared::shared(s)).pick(&ctx(64)))
-            .collect();
+        let firsts: std::collections::HashSet<u16> = (0..32).map(|s| Dr::new(DrShared::shared(s)).pick(&ctx(64))).collect();
         assert!(firsts.len() > 16, "{firsts:?}");
     }
 
     #[test]
     fn dead_paths_are_stepped_over() {
         let mut f = Dr::new(DrShared::shared(4));
-        f.feedback(&Feedback::PathState {
-            entropy: 1,
-            alive: false,
-            now_us: 0,
-        });
+        f.feedback(&Feedback::PathState { entropy: 1, alive: false, now_us: 0 });
         for _ in 0..100 {
             assert_ne!(f.pick(&ctx(4)), 1);
         }

@@ -15,10 +15,7 @@ pub struct Ecmp {
 impl Ecmp {
     /// An ECMP policy whose per-message entropies are fixed by `seed`.
     pub fn new(seed: u64) -> Self {
-        Self {
-            rng: SmallRng::seed_from_u64(seed),
-            current: None,
-        }
+        Self { rng: SmallRng::seed_from_u64(seed), current: None }
     }
 }
 
@@ -33,11 +30,7 @@ impl PathPolicy for Ecmp {
             Some((msg, e)) if msg == ctx.msg && e < n => e,
             _ => self.rng.gen_range(0..n),
         };
-        let e = if ctx.retransmit {
-            other_than(e, ctx.avoid, n)
-        } else {
-            e
-        };
+        let e = if ctx.retransmit { other_than(e, ctx.avoid, n) } else { e };
         self.current = Some((ctx.msg, e));
         e
     }
@@ -51,13 +44,7 @@ mod tests {
     fn one_entropy_per_message() {
         let mut p = Ecmp::new(3);
         for msg in 0..50 {
-            let c = PathCtx {
-                msg, offset: 0,
-                n_paths: 16,
-                retransmit: false,
-                avoid: None,
-                now_us: 0,
-            };
+            let c = PathCtx { msg, offset: 0, n_paths: 16, retransmit: false, avoid: None, now_us: 0 };
             let first = p.pick(&c);
             for _ in 0..100 {
                 assert_eq!(p.pick(&c), first);

@@ -98,19 +98,11 @@ impl DeadSet {
 
     #[inline]
     pub(crate) fn is_dead(&self, e: u16) -> bool {
-        self.count > 0
-            && self
-                .bits
-                .get(e as usize / 64)
-                .is_some_and(|w| w >> (e % 64) & 1 == 1)
+        self.count > 0 && self.bits.get(e as usize / 64).is_some_and(|w| w >> (e % 64) & 1 == 1)
     }
 
     pub(crate) fn iter(&self) -> impl Iterator<Item = u16> + '_ {
-        self.bits.iter().enumerate().flat_map(|(w, &bits)| {
-            (0..64u16)
-                .filter(move |b| bits >> b & 1 == 1)
-                .map(move |b| w as u16 * 64 + b)
-        })
+        self.bits.iter().enumerate().flat_map(|(w, &bits)| (0..64u16).filter(move |b| bits >> b & 1 == 1).map(move |b| w as u16 * 64 + b))
     }
 
     pub(crate) fn count(&self) -> u32 {

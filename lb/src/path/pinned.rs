@@ -19,11 +19,7 @@ pub struct Pinned {
 
 impl std::fmt::Debug for Pinned {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Pinned")
-            .field("inner", &self.inner.name())
-            .field("uplink", &self.uplink)
-            .field("class", &self.class)
-            .finish()
+        f.debug_struct("Pinned").field("inner", &self.inner.name()).field("uplink", &self.uplink).field("class", &self.class).finish()
     }
 }
 
@@ -31,19 +27,8 @@ const NOT_IN_CLASS: u16 = u16::MAX;
 
 impl Pinned {
     /// Confine `inner` to the entropies `e` with `class_of(e) == uplink`.
-    pub fn new(
-        inner: Box<dyn PathPolicy>,
-        uplink: u16,
-        class_of: Box<dyn Fn(u16) -> u16 + Send>,
-    ) -> Self {
-        Self {
-            inner,
-            uplink,
-            n_paths: 0,
-            class: Vec::new(),
-            index: Vec::new(),
-            class_of,
-        }
+    pub fn new(inner: Box<dyn PathPolicy>, uplink: u16, class_of: Box<dyn Fn(u16) -> u16 + Send>) -> Self {
+        Self { inner, uplink, n_paths: 0, class: Vec::new(), index: Vec::new(), class_of }
     }
 
     /// The uplink this policy is confined to.
@@ -56,9 +41,7 @@ impl Pinned {
             return;
         }
         self.n_paths = n_paths;
-        self.class = (0..n_paths)
-            .filter(|&e| (self.class_of)(e) == self.uplink)
-            .collect();
+        self.class = (0..n_paths).filter(|&e| (self.class_of)(e) == self.uplink).collect();
         self.index = vec![NOT_IN_CLASS; n_paths as usize];
         for (i, &e) in self.class.iter().enumerate() {
             self.index[e as usize] = i as u16;
@@ -66,19 +49,14 @@ impl Pinned {
     }
 
     fn to_index(&self, e: u16) -> Option<u16> {
-        self.index
-            .get(e as usize)
-            .copied()
-            .filter(|&i| i != NOT_IN_CLASS)
+        self.index.get(e as usize).copied().filter(|&i| i != NOT_IN_CLASS)
     }
 
     /// The feedback translated into the class's index space, or `None` when it is about another uplink.
     fn translate(&self, fb: &Feedback) -> Option<Feedback> {
         let mut fb = *fb;
         match &mut fb {
-            Feedback::Ack { entropy, .. }
-            | Feedback::Nack { entropy, .. }
-            | Feedback::PathState { entropy, .. } => {
+            Feedback::Ack { entropy, .. } | Feedback::Nack { entropy, .. } | Feedback::PathState { entropy, .. } => {
                 *entropy = self.to_index(*entropy)?;
             }
             Feedback::Timeout { entropy, .. } => {
@@ -103,11 +81,7 @@ impl PathPolicy for Pinned {
             // Fewer entropies than uplinks: this uplink has none of its own; stay deterministic.
             return self.uplink % n;
         }
-        let inner_ctx = PathCtx {
-            n_paths: self.class.len() as u16,
-            avoid: ctx.avoid.and_then(|a| self.to_index(a)),
-            ..*ctx
-        };
+        let inner_ctx = PathCtx { n_paths: self.class.len() as u16, avoid: ctx.avoid.and_then(|a| self.to_index(a)), ..*ctx };
         let i = self.inner.pick(&inner_ctx) as usize;
         self.class[i % self.class.len()]
     }
@@ -119,11 +93,7 @@ impl PathPolicy for Pinned {
             out.iter_mut().for_each(|o| *o = self.uplink % n);
             return;
         }
-        let inner_ctx = PathCtx {
-            n_paths: self.class.len() as u16,
-            avoid: ctx.avoid.and_then(|a| self.to_index(a)),
-            ..*ctx
-        };
+        let inner_ctx = PathCtx { n_paths: self.class.len() as u16, avoid: ctx.avoid.and_then(|a| self.to_index(a)), ..*ctx };
         self.inner.pick_burst(&inner_ctx, None, out);
         for o in out {
             *o = self.class[*o as usize % self.class.len()];
@@ -147,13 +117,7 @@ mod tests {
     use crate::path::{Reps, RepsParams, Spray};
 
     fn ctx(n: u16) -> PathCtx {
-        PathCtx {
-            msg: 0, offset: 0,
-            n_paths: n,
-            retransmit: false,
-            avoid: None,
-            now_us: 0,
-        }
+        PathCtx { msg: 0, offset: 0, n_paths: n, retransmit: false, avoid: None, now_us: 0 }
     }
 
     #[test]
@@ -167,26 +131,10 @@ mod tests {
     #[test]
     fn feedback_reaches_the_inner_policy_in_its_own_index_space() {
         // REPS inside: a clean ACK on entropy 10 (uplink 2 of 4, index 2) must be replayed as entropy 10.
-        let mut p = Pinned::new(
-            Box::new(Reps::new(RepsParams::default(), 1)),
-            2,
-            Box::new(|e| e % 4),
-        );
+        let mut p = Pinned::new(Box::new(Reps::new(RepsParams::default(), 1)), 2, Box::new(|e| e % 4));
         p.pick(&ctx(64));
-        p.feedback(&Feedback::Ack {
-            entropy: 10,
-            rtt_us: 5,
-            congested: false,
-            bytes: 1,
-            now_us: 1,
-        });
-        p.feedback(&Feedback::Ack {
-            entropy: 11,
-            rtt_us: 5,
-            congested: false,
-            bytes: 1,
-            now_us: 1,
-        });
+        p.feedback(&Feedback::Ack { entropy: 10, rtt_us: 5, congested: false, bytes: 1, now_us: 1 });
+        p.feedback(&Feedback::Ack { entropy: 11, rtt_us: 5, congested: false, bytes: 1, now_us: 1 });
         assert_eq!(p.pick(&ctx(64)), 10);
     }
 

@@ -40,11 +40,7 @@ impl ProShared {
     /// Shared state whose counter starts at `c0` (random per leaf in the runtime; 0 reproduces the
     /// paper's listing).
     pub fn new(c0: u32) -> Self {
-        Self {
-            c: c0,
-            flows: 0,
-            cached: (0, 0, 1),
-        }
+        Self { c: c0, flows: 0, cached: (0, 0, 1) }
     }
 
     /// Shared state wrapped for several flows.
@@ -79,11 +75,7 @@ impl Pro {
     /// A new flow of the leaf whose state is `shared`; it counts towards that leaf's P until dropped.
     pub fn new(shared: Arc<Mutex<ProShared>>) -> Self {
         lock(&shared).flows += 1;
-        Self {
-            shared,
-            path: None,
-            dead: DeadSet::default(),
-        }
+        Self { shared, path: None, dead: DeadSet::default() }
     }
 }
 
@@ -155,81 +147,27 @@ mod tests {
     use super::*;
 
     fn ctx(m: u16) -> PathCtx {
-        PathCtx {
-            msg: 0, offset: 0,
-            n_paths: m,
-            retransmit: false,
-            avoid: None,
-            now_us: 0,
-        }
+        PathCtx { msg: 0, offset: 0, n_paths: m, retransmit: false, avoid: None, now_us: 0 }
     }
 
     /// P flows on one leaf with C starting at `c0`, `rounds` rounds of one packet per flow in order.
     fn rounds(m: u16, p: usize, c0: u32, rounds: usize) -> Vec<Vec<u16>> {
         let sh = ProShared::shared(c0);
         let mut flows: Vec<Pro> = (0..p).map(|_| Pro::new(sh.clone())).collect();
-        (0..rounds)
-            .map(|_| flows.iter_mut().map(|f| f.pick(&ctx(m))).collect())
-            .collect()
+        (0..rounds).map(|_| flows.iter_mut().map(|f| f.pick(&ctx(m))).collect()).collect()
     }
 
     #[test]
     fn the_digests_test_vectors_hold_with_c_starting_at_0() {
         // seed-pro.md §1.4 table: (M, P, rounds 0..4).
         let v: Vec<(u16, usize, Vec<Vec<u16>>)> = vec![
-            (
-                4,
-                2,
-                vec![vec![0, 1], vec![3, 0], vec![2, 3], vec![1, 2], vec![0, 1]],
-            ),
+            (4, 2, vec![vec![0, 1], vec![3, 0], vec![2, 3], vec![1, 2], vec![0, 1]]),
             (8, 1, vec![vec![0], vec![1], vec![2], vec![3], vec![4]]),
-            (
-                8,
-                2,
-                vec![vec![0, 1], vec![3, 4], vec![6, 7], vec![1, 2], vec![4, 5]],
-            ),
-            (
-                8,
-                3,
-                vec![
-                    vec![0, 1, 2],
-                    vec![3, 4, 5],
-                    vec![6, 7, 0],
-                    vec![1, 2, 3],
-                    vec![4, 5, 6],
-                ],
-            ),
-            (
-                8,
-                4,
-                vec![
-                    vec![0, 1, 2, 3],
-                    vec![5, 6, 7, 0],
-                    vec![2, 3, 4, 5],
-                    vec![7, 0, 1, 2],
-                    vec![4, 5, 6, 7],
-                ],
-            ),
-            (
-                8,
-                5,
-                vec![
-                    vec![0, 1, 2, 3, 4],
-                    vec![5, 6, 7, 0, 1],
-                    vec![2, 3, 4, 5, 6],
-                    vec![7, 0, 1, 2, 3],
-                    vec![4, 5, 6, 7, 0],
-                ],
-            ),
-            (
-                8,
-                8,
-                vec![
-                    vec![0, 1, 2, 3, 4, 5, 6, 7],
-                    vec![1, 2, 3, 4, 5, 6, 7, 0],
-                    vec![2, 3, 4, 5, 6, 7, 0, 1],
-                ],
-            ),
+            (8, 2, vec![vec![0, 1], vec![3, 4], vec![6, 7], vec![1, 2], vec![4, 5]]),
+            (8, 3, vec![vec![0, 1, 2], vec![3, 4, 5], vec![6, 7, 0], vec![1, 2, 3], vec![4, 5, 6]]),
+            (8, 4, vec![vec![0, 1, 2, 3], vec![5, 6, 7, 0], vec![2, 3, 4, 5], vec![7, 0, 1, 2], vec![4, 5, 6, 7]]),
+            (8, 5, vec![vec![0, 1, 2, 3, 4], vec![5, 6, 7, 0, 1], vec![2, 3, 4, 5, 6], vec![7, 0, 1, 2, 3], vec![4, 5, 6, 7, 0]]),
+            (8, 8, vec![vec![0, 1, 2, 3, 4, 5, 6, 7], vec![1, 2, 3, 4, 5, 6, 7, 0], vec![2, 3, 4, 5, 6, 7, 0, 1]]),
         ];
         for (m, p, want) in v {
             assert_eq!(rounds(m, p, 0, want.len()), want, "M = {m}, P = {p}");
@@ -256,10 +194,7 @@ mod tests {
                     for w in 0..3 {
                         let mut seen = vec![0u32; m as usize];
                         (0..m as usize).for_each(|k| seen[r[w * m as usize + k][f] as usize] += 1);
-                        assert!(
-                            seen.iter().all(|&c| c == 1),
-                            "M = {m}, P = {p}, flow {f}: {seen:?}"
-                        );
+                        assert!(seen.iter().all(|&c| c == 1), "M = {m}, P = {p}, flow {f}: {seen:?}");
                     }
                 }
             }
@@ -285,10 +220,7 @@ mod tests {
     fn over_m_rounds_every_path_carries_exactly_p_packets() {
         for (m, p) in [(8u16, 2usize), (8, 4), (16, 6), (64, 10)] {
             let mut load = vec![0usize; m as usize];
-            rounds(m, p, 1, m as usize)
-                .iter()
-                .flatten()
-                .for_each(|&x| load[x as usize] += 1);
+            rounds(m, p, 1, m as usize).iter().flatten().for_each(|&x| load[x as usize] += 1);
             assert!(load.iter().all(|&l| l == p), "M = {m}, P = {p}: {load:?}");
         }
     }
@@ -312,16 +244,8 @@ mod tests {
     fn dead_paths_are_skipped_and_the_rest_still_covered() {
         let sh = ProShared::shared(0);
         let mut f = Pro::new(sh);
-        f.feedback(&Feedback::PathState {
-            entropy: 2,
-            alive: false,
-            now_us: 0,
-        });
-        f.feedback(&Feedback::PathState {
-            entropy: 5,
-            alive: false,
-            now_us: 0,
-        });
+        f.feedback(&Feedback::PathState { entropy: 2, alive: false, now_us: 0 });
+        f.feedback(&Feedback::PathState { entropy: 5, alive: false, now_us: 0 });
         let picks: Vec<u16> = (0..6).map(|_| f.pick(&ctx(8))).collect();
         let mut s = picks.clone();
         s.sort_unstable();
@@ -341,10 +265,7 @@ mod tests {
 
     #[test]
     fn a_burst_gives_the_same_walk_as_single_picks() {
-        let (mut a, mut b) = (
-            Pro::new(ProShared::shared(2)),
-            Pro::new(ProShared::shared(2)),
-        );
+        let (mut a, mut b) = (Pro::new(ProShared::shared(2)), Pro::new(ProShared::shared(2)));
         let mut burst = [0u16; 20];
         a.pick_burst(&ctx(8), None, &mut burst);
         let single: Vec<u16> = (0..20).map(|_| b.pick(&ctx(8))).collect();
@@ -355,11 +276,7 @@ mod tests {
     fn a_retransmission_avoids_the_lost_path() {
         let mut f = Pro::new(ProShared::shared(0));
         for _ in 0..100 {
-            let c = PathCtx {
-                retransmit: true,
-                avoid: Some(3),
-                ..ctx(8)
-            };
+            let c = PathCtx { retransmit: true, avoid: Some(3), ..ctx(8) };
             assert_ne!(f.pick(&c), 3);
         }
     }

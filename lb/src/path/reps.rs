@@ -34,11 +34,7 @@ pub struct RepsParams {
 
 impl Default for RepsParams {
     fn default() -> Self {
-        Self {
-            freeze_us: 10_000,
-            explore: 16,
-            freeze_rtt_permille: 1650,
-        }
+        Self { freeze_us: 10_000, explore: 16, freeze_rtt_permille: 1650 }
     }
 }
 
@@ -217,32 +213,14 @@ impl PathPolicy for Reps {
     fn feedback(&mut self, fb: &Feedback) {
         self.dead.apply(fb);
         match *fb {
-            Feedback::Ack {
-                entropy,
-                congested,
-                now_us,
-                ..
-            } => {
-                let v = if congested {
-                    Verdict::NotRecycled
-                } else {
-                    Verdict::Good
-                };
+            Feedback::Ack { entropy, congested, now_us, .. } => {
+                let v = if congested { Verdict::NotRecycled } else { Verdict::Good };
                 self.process(Some(entropy), v, now_us);
             }
-            Feedback::Nack { entropy, now_us } => {
-                self.process(Some(entropy), Verdict::NotRecycled, now_us)
-            }
-            Feedback::Timeout {
-                entropy,
-                max_rtt_us,
-                base_rtt_us,
-                now_us,
-            } => {
+            Feedback::Nack { entropy, now_us } => self.process(Some(entropy), Verdict::NotRecycled, now_us),
+            Feedback::Timeout { entropy, max_rtt_us, base_rtt_us, now_us } => {
                 // A failure looks like low RTTs then silence; congestion inflates the RTT first.
-                let gate = base_rtt_us > 0
-                    && (max_rtt_us as u64) * 1000
-                        < self.params.freeze_rtt_permille as u64 * base_rtt_us as u64;
+                let gate = base_rtt_us > 0 && (max_rtt_us as u64) * 1000 < self.params.freeze_rtt_permille as u64 * base_rtt_us as u64;
                 self.process(entropy, Verdict::Timeout { freeze_gate: gate }, now_us);
             }
             Feedback::PathState { .. } => {}
@@ -264,32 +242,15 @@ mod tests {
     const N: u16 = 64;
 
     fn ctx(now_us: u64) -> PathCtx {
-        PathCtx {
-            msg: 0, offset: 0,
-            n_paths: N,
-            retransmit: false,
-            avoid: None,
-            now_us,
-        }
+        PathCtx { msg: 0, offset: 0, n_paths: N, retransmit: false, avoid: None, now_us }
     }
 
     fn ack(e: u16, congested: bool, now_us: u64) -> Feedback {
-        Feedback::Ack {
-            entropy: e,
-            rtt_us: 10,
-            congested,
-            bytes: 4096,
-            now_us,
-        }
+        Feedback::Ack { entropy: e, rtt_us: 10, congested, bytes: 4096, now_us }
     }
 
     fn timeout(max_rtt_us: u32, base_rtt_us: u32, now_us: u64) -> Feedback {
-        Feedback::Timeout {
-            entropy: None,
-            max_rtt_us,
-            base_rtt_us,
-            now_us,
-        }
+        Feedback::Timeout { entropy: None, max_rtt_us, base_rtt_us, now_us }
     }
 
     fn reps() -> Reps {
@@ -303,10 +264,7 @@ mod tests {
             r.feedback(&ack(e, false, 1));
         }
         assert_eq!(r.fresh(), 3);
-        assert_eq!(
-            [r.pick(&ctx(2)), r.pick(&ctx(2)), r.pick(&ctx(2))],
-            [7, 9, 11]
-        );
+        assert_eq!([r.pick(&ctx(2)), r.pick(&ctx(2)), r.pick(&ctx(2))], [7, 9, 11]);
         assert_eq!(r.fresh(), 0);
         // With nothing fresh, the next pick explores (a random entropy, counted as such).
         let before = r.random;
@@ -318,10 +276,7 @@ mod tests {
     fn congested_acks_and_nacks_are_not_recycled() {
         let mut r = reps();
         r.feedback(&ack(3, true, 1));
-        r.feedback(&Feedback::Nack {
-            entropy: 4,
-            now_us: 1,
-        });
+        r.feedback(&Feedback::Nack { entropy: 4, now_us: 1 });
         assert_eq!(r.fresh(), 0);
         assert_eq!(r.cached(), 0);
     }
@@ -369,10 +324,7 @@ mod tests {
 
     #[test]
     fn frozen_mode_exits_after_the_freeze_time_with_a_reset_buffer_and_16_explorations() {
-        let p = RepsParams {
-            freeze_us: 1_000,
-            ..RepsParams::default()
-        };
+        let p = RepsParams { freeze_us: 1_000, ..RepsParams::default() };
         let mut r = Reps::new(p, 1);
         r.feedback(&ack(5, false, 0));
         r.feedback(&timeout(10, 10, 100));
@@ -394,11 +346,7 @@ mod tests {
 
     #[test]
     fn no_second_freeze_while_exploring_after_an_unfreeze() {
-        let p = RepsParams {
-            freeze_us: 10,
-            explore: 4,
-            ..RepsParams::default()
-        };
+        let p = RepsParams { freeze_us: 10, explore: 4, ..RepsParams::default() };
         let mut r = Reps::new(p, 1);
         r.feedback(&timeout(10, 10, 0));
         r.feedback(&ack(1, false, 11)); // exit: 4 explorations owed
@@ -408,10 +356,7 @@ mod tests {
 
     #[test]
     fn the_freeze_exit_is_also_noticed_when_picking() {
-        let p = RepsParams {
-            freeze_us: 10,
-            ..RepsParams::default()
-        };
+        let p = RepsParams { freeze_us: 10, ..RepsParams::default() };
         let mut r = Reps::new(p, 1);
         r.feedback(&timeout(10, 10, 0));
         assert!(r.is_frozen());
@@ -425,11 +370,7 @@ mod tests {
         r.feedback(&ack(1, false, 0));
         r.feedback(&ack(2, false, 0));
         r.feedback(&timeout(10, 10, 1));
-        r.feedback(&Feedback::PathState {
-            entropy: 1,
-            alive: false,
-            now_us: 2,
-        });
+        r.feedback(&Feedback::PathState { entropy: 1, alive: false, now_us: 2 });
         for _ in 0..6 {
             assert_eq!(r.pick(&ctx(3)), 2);
         }
@@ -439,10 +380,7 @@ mod tests {
     fn every_pick_is_in_range_even_when_paths_shrink() {
         let mut r = reps();
         r.feedback(&ack(60, false, 0));
-        let c = PathCtx {
-            n_paths: 8,
-            ..ctx(1)
-        };
+        let c = PathCtx { n_paths: 8, ..ctx(1) };
         for _ in 0..100 {
             assert!(r.pick(&c) < 8);
         }

@@ -13,9 +13,7 @@ pub struct Spray {
 impl Spray {
     /// A spraying policy whose choices are fixed by `seed`.
     pub fn new(seed: u64) -> Self {
-        Self {
-            rng: SmallRng::seed_from_u64(seed),
-        }
+        Self { rng: SmallRng::seed_from_u64(seed) }
     }
 }
 
@@ -35,13 +33,7 @@ mod tests {
     use super::*;
 
     fn ctx(n_paths: u16) -> PathCtx {
-        PathCtx {
-            msg: 0, offset: 0,
-            n_paths,
-            retransmit: false,
-            avoid: None,
-            now_us: 0,
-        }
+        PathCtx { msg: 0, offset: 0, n_paths, retransmit: false, avoid: None, now_us: 0 }
     }
 
     #[test]
@@ -60,11 +52,7 @@ mod tests {
     fn retransmission_avoids_the_lost_path() {
         let mut p = Spray::new(1);
         for _ in 0..1000 {
-            let c = PathCtx {
-                retransmit: true,
-                avoid: Some(3),
-                ..ctx(4)
-            };
+            let c = PathCtx { retransmit: true, avoid: Some(3), ..ctx(4) };
             assert_ne!(p.pick(&c), 3);
         }
     }

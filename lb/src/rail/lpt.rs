@@ -47,20 +47,12 @@ impl Lpt {
     /// LPT over `rails` rails (at least 1, at most 64).
     pub fn new(rails: u16, tie: TieBreak) -> Self {
         let rails = rails.clamp(1, 64);
-        Self {
-            rails,
-            tie,
-            per_dst: HashMap::new(),
-            total: vec![0; rails as usize],
-        }
+        Self { rails, tie, per_dst: HashMap::new(), total: vec![0; rails as usize] }
     }
 
     /// Bytes assigned to each rail towards `dst_host` (after rebasing: differences are what count).
     pub fn load(&self, dst_host: usize) -> Vec<u64> {
-        self.per_dst
-            .get(&dst_host)
-            .cloned()
-            .unwrap_or_else(|| vec![0; self.rails as usize])
+        self.per_dst.get(&dst_host).cloned().unwrap_or_else(|| vec![0; self.rails as usize])
     }
 
     /// Bytes assigned to each rail over all destinations (rebased like [`Lpt::load`]).
@@ -134,12 +126,7 @@ fn greedy<K: Copy + Ord + std::ops::AddAssign>(
             best = if lt { j } else { best };
         }
         key[best] += weight(len);
-        out.push(RailChunk {
-            msg: 0,
-            offset: off,
-            len,
-            rail: best as u16,
-        });
+        out.push(RailChunk { msg: 0, offset: off, len, rail: best as u16 });
     }
 }
 
@@ -148,14 +135,7 @@ impl RailPolicy for Lpt {
         "lpt"
     }
 
-    fn assign(
-        &mut self,
-        src_host: usize,
-        reqs: &[SendReq],
-        chunk_bytes: u32,
-        alive: &[bool],
-        out: &mut Vec<RailChunk>,
-    ) {
+    fn assign(&mut self, src_host: usize, reqs: &[SendReq], chunk_bytes: u32, alive: &[bool], out: &mut Vec<RailChunk>) {
         let n = self.rails as usize;
         let mask = alive_mask(alive, n);
         // Each distinct destination of the batch gets a slot holding its load vector while we work.
@@ -165,31 +145,19 @@ impl RailPolicy for Lpt {
             let s = match slots.iter().position(|(d, _)| *d == r.dst_host) {
                 Some(s) => s,
                 None => {
-                    let v = self
-                        .per_dst
-                        .remove(&r.dst_host)
-                        .unwrap_or_else(|| vec![0; n]);
+                    let v = self.per_dst.remove(&r.dst_host).unwrap_or_else(|| vec![0; n]);
                     slots.push((r.dst_host, v));
                     slots.len() - 1
                 }
             };
             slot_of.push(s);
         }
-        let mut place = |this: &mut Self,
-                         slots: &mut Vec<(usize, Vec<u64>)>,
-                         msg: usize,
-                         offset: u64,
-                         len: u32| {
+        let mut place = |this: &mut Self, slots: &mut Vec<(usize, Vec<u64>)>, msg: usize, offset: u64, len: u32| {
             let (dst, load) = &mut slots[slot_of[msg]];
             let j = argmin(load, &this.total, this.start(src_host, *dst), mask);
             load[j] += len as u64;
             this.total[j] += len as u64;
-            out.push(RailChunk {
-                msg: msg as u32,
-                offset,
-                len,
-                rail: j as u16,
-            });
+            out.push(RailChunk { msg: msg as u32, offset, len, rail: j as u16 });
         };
         if reqs.len() == 1 {
             // One message (the common case): offset order is already largest first (only the tail is
@@ -199,26 +167,17 @@ impl RailPolicy for Lpt {
             let len = reqs[0].len;
             out.reserve(len.div_ceil(chunk_bytes.max(1) as u64) as usize);
             let alive_rails = || (0..n).filter(|&j| mask >> j & 1 == 1);
-            let fits =
-                alive_rails().all(|j| load[j].max(self.total[j]).saturating_add(len) < 1 << 32);
+            let fits = alive_rails().all(|j| load[j].max(self.total[j]).saturating_add(len) < 1 << 32);
             if fits {
                 let mut key = [u64::MAX; 64];
                 alive_rails().for_each(|j| key[j] = load[j] << 32 | self.total[j]);
-                greedy(&mut key[..n], start, cut(len, chunk_bytes), out, |l| {
-                    (l as u64) << 32 | l as u64
-                });
-                alive_rails()
-                    .for_each(|j| (load[j], self.total[j]) = (key[j] >> 32, key[j] & 0xffff_ffff));
+                greedy(&mut key[..n], start, cut(len, chunk_bytes), out, |l| (l as u64) << 32 | l as u64);
+                alive_rails().for_each(|j| (load[j], self.total[j]) = (key[j] >> 32, key[j] & 0xffff_ffff));
             } else {
                 let mut key = [u128::MAX; 64];
-                alive_rails()
-                    .for_each(|j| key[j] = (load[j] as u128) << 64 | self.total[j] as u128);
-                greedy(&mut key[..n], start, cut(len, chunk_bytes), out, |l| {
-                    (l as u128) << 64 | l as u128
-                });
-                alive_rails().for_each(|j| {
-                    (load[j], self.total[j]) = ((key[j] >> 64) as u64, key[j] as u64)
-                });
+                alive_rails().for_each(|j| key[j] = (load[j] as u128) << 64 | self.total[j] as u128);
+                greedy(&mut key[..n], start, cut(len, chunk_bytes), out, |l| (l as u128) << 64 | l as u128);
+                alive_rails().for_each(|j| (load[j], self.total[j]) = ((key[j] >> 64) as u64, key[j] as u64));
             }
         } else {
             let mut all: Vec<(u32, u32, u64)> = Vec::new();
@@ -255,12 +214,7 @@ mod tests {
     const KIB32: u32 = 32 * 1024;
 
     fn req(dst: usize, len: u64) -> SendReq {
-        SendReq {
-            dst_host: dst,
-            len,
-            flow: 0,
-            home_rail: 0,
-        }
+        SendReq { dst_host: dst, len, flow: 0, home_rail: 0 }
     }
 
     fn spread(l: &[u64]) -> u64 {
@@ -272,16 +226,7 @@ mod tests {
         // 8 rails, messages of awkward sizes to 5 destinations, planned one by one and in batches.
         let mut lpt = Lpt::new(8, TieBreak::Rotated);
         let mut out = Vec::new();
-        let sizes = [
-            1u64,
-            4095,
-            32768,
-            100_000,
-            1 << 20,
-            3 * 32768 + 7,
-            77,
-            250_000,
-        ];
+        let sizes = [1u64, 4095, 32768, 100_000, 1 << 20, 3 * 32768 + 7, 77, 250_000];
         for (i, &len) in sizes.iter().enumerate() {
             out.clear();
             let batch: Vec<_> = (0..5).map(|d| req(d, len + d as u64 * 1000)).collect();
@@ -305,8 +250,7 @@ mod tests {
         let mut out = Vec::new();
         lpt.assign(0, &[req(1, 64 << 20)], KIB32, &[], &mut out);
         let mut per = [0u64; 8];
-        out.iter()
-            .for_each(|c| per[c.rail as usize] += c.len as u64);
+        out.iter().for_each(|c| per[c.rail as usize] += c.len as u64);
         assert_eq!(per, [8 << 20; 8]);
     }
 
@@ -316,8 +260,7 @@ mod tests {
         let mut out = Vec::new();
         lpt.assign(0, &[req(1, 8 << 30)], 16 << 20, &[], &mut out);
         let mut per = [0u64; 8];
-        out.iter()
-            .for_each(|c| per[c.rail as usize] += c.len as u64);
+        out.iter().for_each(|c| per[c.rail as usize] += c.len as u64);
         assert_eq!(per, [1 << 30; 8]);
     }
 
@@ -325,16 +268,9 @@ mod tests {
     fn dead_rails_get_nothing_and_the_rest_stay_within_one_chunk() {
         let mut lpt = Lpt::new(4, TieBreak::Rotated);
         let mut out = Vec::new();
-        lpt.assign(
-            0,
-            &[req(1, 1_000_000)],
-            KIB32,
-            &[true, false, true, true],
-            &mut out,
-        );
+        lpt.assign(0, &[req(1, 1_000_000)], KIB32, &[true, false, true, true], &mut out);
         let mut per = [0u64; 4];
-        out.iter()
-            .for_each(|c| per[c.rail as usize] += c.len as u64);
+        out.iter().for_each(|c| per[c.rail as usize] += c.len as u64);
         assert_eq!(per[1], 0);
         let live = [per[0], per[2], per[3]];
         assert!(spread(&live) <= KIB32 as u64, "{per:?}");
@@ -350,13 +286,7 @@ mod tests {
             let mut out = Vec::new();
             for dst in (0..m).filter(|&d| d != src) {
                 out.clear();
-                lpt.assign(
-                    src,
-                    &[req(dst, chunks_per_dst * KIB32 as u64)],
-                    KIB32,
-                    &[],
-                    &mut out,
-                );
+                lpt.assign(src, &[req(dst, chunks_per_dst * KIB32 as u64)], KIB32, &[], &mut out);
                 for c in &out {
                     rx[dst][c.rail as usize] += c.len as u64;
                 }
@@ -389,21 +319,12 @@ mod tests {
     #[test]
     fn the_digests_receive_hotspot_table_is_reproduced() {
         // seed-rails.md Appendix A: (M, chunks per destination, lowest-index ties, rotated ties).
-        let table = [
-            (9, 1, 8.00, 2.00),
-            (9, 3, 2.67, 2.00),
-            (9, 8, 1.00, 1.00),
-            (17, 1, 8.00, 1.50),
-            (128, 1, 8.00, 1.07),
-            (128, 5, 1.60, 1.03),
-        ];
+        let table =
+            [(9, 1, 8.00, 2.00), (9, 3, 2.67, 2.00), (9, 8, 1.00, 1.00), (17, 1, 8.00, 1.50), (128, 1, 8.00, 1.07), (128, 5, 1.60, 1.03)];
         for (m, k, lowest, rotated) in table {
             let l = worst_receive_nic_over_average(m, k, TieBreak::Lowest);
             let r = worst_receive_nic_over_average(m, k, TieBreak::Rotated);
-            assert!(
-                (l - lowest).abs() < 0.005 && (r - rotated).abs() < 0.005,
-                "M = {m}, k = {k}: {l:.3} / {r:.3}"
-            );
+            assert!((l - lowest).abs() < 0.005 && (r - rotated).abs() < 0.005, "M = {m}, k = {k}: {l:.3} / {r:.3}");
         }
     }
 
@@ -419,16 +340,7 @@ mod tests {
         // Two messages: the 5-byte one must not claim an empty rail before any 32 KiB chunk does.
         let mut lpt = Lpt::new(2, TieBreak::Lowest);
         let mut out = Vec::new();
-        lpt.assign(
-            0,
-            &[req(1, 5), req(1, 2 * KIB32 as u64)],
-            KIB32,
-            &[],
-            &mut out,
-        );
-        assert_eq!(
-            out.iter().map(|c| c.len).collect::<Vec<_>>(),
-            vec![KIB32, KIB32, 5]
-        );
+        lpt.assign(0, &[req(1, 5), req(1, 2 * KIB32 as u64)], KIB32, &[], &mut out);
+        assert_eq!(out.iter().map(|c| c.len).collect::<Vec<_>>(), vec![KIB32, KIB32, 5]);
     }
 }

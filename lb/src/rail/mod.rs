@@ -54,14 +54,7 @@ pub trait RailPolicy: Send {
     /// Cut every message of `reqs` into chunks of `chunk_bytes` (the last one shorter) and append them, each
     /// with a rail, to `out`. Only rails with `alive[r]` are used (all of them when none is alive).
     /// `src_host` is this host's id.
-    fn assign(
-        &mut self,
-        src_host: usize,
-        reqs: &[SendReq],
-        chunk_bytes: u32,
-        alive: &[bool],
-        out: &mut Vec<RailChunk>,
-    );
+    fn assign(&mut self, src_host: usize, reqs: &[SendReq], chunk_bytes: u32, alive: &[bool], out: &mut Vec<RailChunk>);
     /// Forget accumulated state (a new round, in RailS's words).
     fn reset(&mut self) {}
     /// A small JSON picture of the state, for stats.
@@ -84,11 +77,7 @@ pub fn rail_policy(kind: RailKind, rails: u16, tie: TieBreak, seed: u64) -> Box<
 /// (trying every rail beats stranding the message).
 pub(crate) fn alive_mask(alive: &[bool], n: usize) -> u64 {
     let all = if n >= 64 { u64::MAX } else { (1u64 << n) - 1 };
-    let m = alive
-        .iter()
-        .take(n)
-        .enumerate()
-        .fold(0u64, |m, (r, &a)| if a { m | 1 << r } else { m });
+    let m = alive.iter().take(n).enumerate().fold(0u64, |m, (r, &a)| if a { m | 1 << r } else { m });
     // Rails beyond `alive`'s length count as alive.
     let m = m | (all & !(((1u128 << alive.len().min(64)) - 1) as u64));
     if m == 0 {

@@ -31,10 +31,7 @@ pub struct RoundRobin {
 impl RoundRobin {
     /// Round-robin over `rails` rails.
     pub fn new(rails: u16) -> Self {
-        Self {
-            rails: rails.clamp(1, 64),
-            next: HashMap::new(),
-        }
+        Self { rails: rails.clamp(1, 64), next: HashMap::new() }
     }
 }
 
@@ -43,30 +40,15 @@ impl RailPolicy for RoundRobin {
         "rr"
     }
 
-    fn assign(
-        &mut self,
-        src_host: usize,
-        reqs: &[SendReq],
-        chunk_bytes: u32,
-        alive: &[bool],
-        out: &mut Vec<RailChunk>,
-    ) {
+    fn assign(&mut self, src_host: usize, reqs: &[SendReq], chunk_bytes: u32, alive: &[bool], out: &mut Vec<RailChunk>) {
         let n = self.rails as usize;
         let mask = alive_mask(alive, n);
         for (m, r) in reqs.iter().enumerate() {
-            let ptr = self
-                .next
-                .entry(r.dst_host)
-                .or_insert(src_host.wrapping_add(r.dst_host) % n);
+            let ptr = self.next.entry(r.dst_host).or_insert(src_host.wrapping_add(r.dst_host) % n);
             for (off, len) in cut(r.len, chunk_bytes) {
                 let rail = next_usable(mask, n, *ptr);
                 *ptr = if rail + 1 == n { 0 } else { rail + 1 };
-                out.push(RailChunk {
-                    msg: m as u32,
-                    offset: off,
-                    len,
-                    rail: rail as u16,
-                });
+                out.push(RailChunk { msg: m as u32, offset: off, len, rail: rail as u16 });
             }
         }
     }
@@ -86,10 +68,7 @@ pub struct HashRail {
 impl HashRail {
     /// Hash rails over `rails` rails; `seed` varies the hash between runs.
     pub fn new(rails: u16, seed: u64) -> Self {
-        Self {
-            rails: rails.clamp(1, 64),
-            seed,
-        }
+        Self { rails: rails.clamp(1, 64), seed }
     }
 }
 
@@ -98,33 +77,16 @@ impl RailPolicy for HashRail {
         "hash"
     }
 
-    fn assign(
-        &mut self,
-        src_host: usize,
-        reqs: &[SendReq],
-        chunk_bytes: u32,
-        alive: &[bool],
-        out: &mut Vec<RailChunk>,
-    ) {
+    fn assign(&mut self, src_host: usize, reqs: &[SendReq], chunk_bytes: u32, alive: &[bool], out: &mut Vec<RailChunk>) {
         let n = self.rails as usize;
         let mask = alive_mask(alive, n);
         let usable = mask.count_ones() as u64;
         for (m, r) in reqs.iter().enumerate() {
-            let h = mix64(
-                self.seed ^ mix64(src_host as u64 ^ mix64(r.dst_host as u64 ^ mix64(r.flow))),
-            );
+            let h = mix64(self.seed ^ mix64(src_host as u64 ^ mix64(r.dst_host as u64 ^ mix64(r.flow))));
             // The k-th usable rail, so a dead rail moves only the connections it carried.
             let k = (h % usable) as u32;
-            let rail = (0..n)
-                .filter(|&j| mask >> j & 1 == 1)
-                .nth(k as usize)
-                .unwrap_or(0);
-            out.extend(cut(r.len, chunk_bytes).map(|(off, len)| RailChunk {
-                msg: m as u32,
-                offset: off,
-                len,
-                rail: rail as u16,
-            }));
+            let rail = (0..n).filter(|&j| mask >> j & 1 == 1).nth(k as usize).unwrap_or(0);
+            out.extend(cut(r.len, chunk_bytes).map(|(off, len)| RailChunk { msg: m as u32, offset: off, len, rail: rail as u16 }));
         }
     }
 }
@@ -138,9 +100,7 @@ pub struct SingleRail {
 impl SingleRail {
     /// Single-rail policy for `rails` rails.
     pub fn new(rails: u16) -> Self {
-        Self {
-            rails: rails.clamp(1, 64),
-        }
+        Self { rails: rails.clamp(1, 64) }
     }
 }
 
@@ -149,24 +109,12 @@ impl RailPolicy for SingleRail {
         "single"
     }
 
-    fn assign(
-        &mut self,
-        _src_host: usize,
-        reqs: &[SendReq],
-        chunk_bytes: u32,
-        alive: &[bool],
-        out: &mut Vec<RailChunk>,
-    ) {
+    fn assign(&mut self, _src_host: usize, reqs: &[SendReq], chunk_bytes: u32, alive: &[bool], out: &mut Vec<RailChunk>) {
         let n = self.rails as usize;
         let mask = alive_mask(alive, n);
         for (m, r) in reqs.iter().enumerate() {
             let rail = next_usable(mask, n, r.home_rail as usize % n);
-            out.extend(cut(r.len, chunk_bytes).map(|(off, len)| RailChunk {
-                msg: m as u32,
-                offset: off,
-                len,
-                rail: rail as u16,
-            }));
+            out.extend(cut(r.len, chunk_bytes).map(|(off, len)| RailChunk { msg: m as u32, offset: off, len, rail: rail as u16 }));
         }
     }
 }
@@ -176,12 +124,7 @@ mod tests {
     use super::*;
 
     fn req(dst: usize, len: u64, flow: u64, home: u16) -> SendReq {
-        SendReq {
-            dst_host: dst,
-            len,
-            flow,
-            home_rail: home,
-        }
+        SendReq { dst_host: dst, len, flow, home_rail: home }
     }
 
     fn rails_of(p: &mut dyn RailPolicy, r: SendReq, alive: &[bool]) -> Vec<u16> {
@@ -215,11 +158,7 @@ mod tests {
         for flow in 0..800 {
             let a = rails_of(&mut p, req(1, 5000, flow, 0), &[]);
             assert!(a.iter().all(|&r| r == a[0]));
-            assert_eq!(
-                rails_of(&mut p, req(1, 3000, flow, 0), &[])[0],
-                a[0],
-                "flow {flow} moved"
-            );
+            assert_eq!(rails_of(&mut p, req(1, 3000, flow, 0), &[])[0], a[0], "flow {flow} moved");
             used[a[0] as usize] += 1;
         }
         // 100 expected per rail; a fair hash stays within ±40%.
@@ -230,9 +169,6 @@ mod tests {
     fn single_uses_the_home_rail_and_fails_over_to_the_next() {
         let mut p = SingleRail::new(4);
         assert_eq!(rails_of(&mut p, req(1, 3000, 0, 2), &[]), vec![2, 2, 2]);
-        assert_eq!(
-            rails_of(&mut p, req(1, 1000, 0, 2), &[true, true, false, true]),
-            vec![3]
-        );
+        assert_eq!(rails_of(&mut p, req(1, 1000, 0, 2), &[true, true, false, true]), vec![3]);
     }
 }

@@ -72,17 +72,8 @@ pub struct Mcc {
 impl Mcc {
     /// A controller with these parameters (the initial window is clamped to `[min, max]`).
     pub fn new(p: MccParams) -> Self {
-        let window = p
-            .init_window
-            .clamp(p.min_window, p.max_window.max(p.min_window));
-        Self {
-            p,
-            window,
-            max_pkt_us: 0,
-            last_cut_us: None,
-            state: Congestion::None,
-            cuts: 0,
-        }
+        let window = p.init_window.clamp(p.min_window, p.max_window.max(p.min_window));
+        Self { p, window, max_pkt_us: 0, last_cut_us: None, state: Congestion::None, cuts: 0 }
     }
 
     /// The verdict on the last completed message.
@@ -120,8 +111,7 @@ impl RateController for Mcc {
             Congestion::Global => {
                 // One cut per window: a message already in flight at the last cut says nothing new.
                 if self.last_cut_us.map_or(true, |t| m.sent_us >= t) {
-                    self.window = (self.window * self.p.md_permille as u64 / 1000)
-                        .clamp(self.p.min_window, hi);
+                    self.window = (self.window * self.p.md_permille as u64 / 1000).clamp(self.p.min_window, hi);
                     self.last_cut_us = Some(m.done_us);
                     self.cuts += 1;
                 }
@@ -159,30 +149,16 @@ mod tests {
     }
 
     fn mcc() -> Mcc {
-        Mcc::new(MccParams {
-            target_msg_us: msg_delay_us(160),
-            target_pkt_us: 10,
-            ..MccParams::default()
-        })
+        Mcc::new(MccParams { target_msg_us: msg_delay_us(160), target_pkt_us: 10, ..MccParams::default() })
     }
 
     fn ack(rtt_us: u32) -> Feedback {
-        Feedback::Ack {
-            entropy: 0,
-            rtt_us,
-            congested: false,
-            bytes: 4096,
-            now_us: 0,
-        }
+        Feedback::Ack { entropy: 0, rtt_us, congested: false, bytes: 4096, now_us: 0 }
     }
 
     fn one_message(m: &mut Mcc, pipe_gbps: u64, path_rtts_us: [u32; 4], sent_us: u64) {
         path_rtts_us.iter().for_each(|&r| m.feedback(&ack(r)));
-        m.message_done(&MessageSample {
-            bytes: MSG,
-            sent_us,
-            done_us: sent_us + msg_delay_us(pipe_gbps),
-        });
+        m.message_done(&MessageSample { bytes: MSG, sent_us, done_us: sent_us + msg_delay_us(pipe_gbps) });
     }
 
     #[test]

@@ -28,11 +28,7 @@ pub struct EtherealParams {
 
 impl Default for EtherealParams {
     fn default() -> Self {
-        Self {
-            batch_us: 0,
-            jitter_us: 2,
-            reset_us: 10_000,
-        }
+        Self { batch_us: 0, jitter_us: 2, reset_us: 10_000 }
     }
 }
 
@@ -120,18 +116,14 @@ impl BadPaths {
 
     /// Whether `uplink` of `rail` is marked bad at `now_us`.
     pub fn is_bad(&self, rail: u16, uplink: u16, now_us: u64) -> bool {
-        self.until_us
-            .get(&(rail, uplink))
-            .is_some_and(|&t| t > now_us)
+        self.until_us.get(&(rail, uplink)).is_some_and(|&t| t > now_us)
     }
 
     /// The good uplinks among `0..s` of `rail` at `now_us` (expired marks are dropped); all of them when
     /// every one is bad, since some path beats none.
     pub fn good_uplinks(&mut self, rail: u16, s: u16, now_us: u64) -> Vec<u16> {
         self.until_us.retain(|_, &mut t| t > now_us);
-        let good: Vec<u16> = (0..s)
-            .filter(|&u| !self.until_us.contains_key(&(rail, u)))
-            .collect();
+        let good: Vec<u16> = (0..s).filter(|&u| !self.until_us.contains_key(&(rail, u))).collect();
         if good.is_empty() {
             (0..s).collect()
         } else {
@@ -163,21 +155,14 @@ pub struct Batcher<T> {
 impl<T> Batcher<T> {
     /// A batcher with the given window (0: only sends posted at the same instant are batched).
     pub fn new(window_us: u64) -> Self {
-        Self {
-            window_us,
-            opened_us: 0,
-            pending: Vec::new(),
-        }
+        Self { window_us, opened_us: 0, pending: Vec::new() }
     }
 
     /// Queue a send. Returns the previous batch, to be planned now, when this send falls outside its
     /// window; the send then opens a new batch.
     pub fn push(&mut self, id: T, req: SendReq, now_us: u64) -> Vec<(T, SendReq)> {
         let mut ready = Vec::new();
-        if !self.pending.is_empty()
-            && now_us != self.opened_us
-            && now_us >= self.opened_us + self.window_us
-        {
+        if !self.pending.is_empty() && now_us != self.opened_us && now_us >= self.opened_us + self.window_us {
             ready = std::mem::take(&mut self.pending);
         }
         if self.pending.is_empty() {
@@ -229,15 +214,7 @@ mod tests {
         for (n, q, r, g, m, total, per_uplink, extra) in table {
             let c = split_counts(n, 16);
             assert_eq!(
-                (
-                    c.whole_per_uplink,
-                    c.remainder,
-                    c.gcd,
-                    c.pieces_per_split_flow,
-                    c.subflows,
-                    c.split_pieces_per_uplink,
-                    c.extra_flows
-                ),
+                (c.whole_per_uplink, c.remainder, c.gcd, c.pieces_per_split_flow, c.subflows, c.split_pieces_per_uplink, c.extra_flows),
                 (q, r, g, m, total, per_uplink, extra),
                 "n = {n}"
             );
@@ -282,16 +259,8 @@ mod tests {
         let mut b = BadPaths::default();
         b.mark_bad(0, 2, 1_000);
         assert_eq!(b.good_uplinks(0, 4, 500), vec![0, 1, 3]);
-        assert_eq!(
-            b.good_uplinks(1, 4, 500),
-            vec![0, 1, 2, 3],
-            "marks are per rail"
-        );
-        assert_eq!(
-            b.good_uplinks(0, 4, 1_000),
-            vec![0, 1, 2, 3],
-            "expired at the reset time"
-        );
+        assert_eq!(b.good_uplinks(1, 4, 500), vec![0, 1, 2, 3], "marks are per rail");
+        assert_eq!(b.good_uplinks(0, 4, 1_000), vec![0, 1, 2, 3], "expired at the reset time");
         let a = assign_flows(3, &[0, 1, 3], 0);
         assert!(a.iter().flatten().all(|&u| u != 2));
     }
@@ -304,12 +273,7 @@ mod tests {
     }
 
     fn req(len: u64) -> SendReq {
-        SendReq {
-            dst_host: 1,
-            len,
-            flow: 0,
-            home_rail: 0,
-        }
+        SendReq { dst_host: 1, len, flow: 0, home_rail: 0 }
     }
 
     #[test]

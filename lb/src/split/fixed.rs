@@ -29,9 +29,6 @@ mod tests {
             })
             .count();
         let rate = collided as f64 / trials as f64;
-        assert!(
-            (rate - 0.906).abs() < 0.02,
-            "seed {seed}: collision rate {rate}"
-        );
+        assert!((rate - 0.906).abs() < 0.02, "seed {seed}: collision rate {rate}");
     }
 }

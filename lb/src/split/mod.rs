@@ -55,14 +55,7 @@ struct Pieces {
 }
 
 /// Turn rail chunks into the plans of the batch. `plans[m]` receives message `m`'s chunks.
-pub(crate) fn split(
-    kind: SplitKind,
-    env: SplitEnv<'_>,
-    reqs: &[SendReq],
-    rc: &[RailChunk],
-    rails: u16,
-    plans: &mut [Plan],
-) {
+pub(crate) fn split(kind: SplitKind, env: SplitEnv<'_>, reqs: &[SendReq], rc: &[RailChunk], rails: u16, plans: &mut [Plan]) {
     if kind == SplitKind::None {
         for c in rc {
             plans[c.msg as usize].chunks.push(Chunk {
@@ -79,17 +72,12 @@ pub(crate) fn split(
     let nr = rails as usize;
     // The byte ranges of each (message, rail) portion, in offset order.
     let per = rc.len() / (reqs.len() * nr).max(1) + 1;
-    let mut portions: Vec<Vec<(u64, u32)>> = (0..reqs.len() * nr)
-        .map(|_| Vec::with_capacity(per))
-        .collect();
+    let mut portions: Vec<Vec<(u64, u32)>> = (0..reqs.len() * nr).map(|_| Vec::with_capacity(per)).collect();
     for c in rc {
         portions[c.msg as usize * nr + c.rail as usize].push((c.offset, c.len));
     }
     // Single messages arrive in offset order already; batches sorted by size may not.
-    for p in portions
-        .iter_mut()
-        .filter(|p| p.windows(2).any(|w| w[0].0 > w[1].0))
-    {
+    for p in portions.iter_mut().filter(|p| p.windows(2).any(|w| w[0].0 > w[1].0)) {
         p.sort_unstable_by_key(|r| r.0);
     }
     let bytes = |p: &[(u64, u32)]| p.iter().map(|r| r.1 as u64).sum::<u64>();
@@ -110,29 +98,14 @@ pub(crate) fn split(
         };
         let s = my_leaf.map(|l| env.topo.leaf(l).uplinks).unwrap_or(1);
         match kind {
-            SplitKind::Ethereal if remote => groups
-                .entry((rail, dst_leaf.unwrap_or(0), bytes(p)))
-                .or_default()
-                .push(i),
+            SplitKind::Ethereal if remote => groups.entry((rail, dst_leaf.unwrap_or(0), bytes(p))).or_default().push(i),
             SplitKind::Fixed(k) => {
                 let k = (k.max(1) as u64).min(bytes(p)) as usize;
-                let uplinks = if remote {
-                    fixed_uplinks(k, s, env.rng).into_iter().map(Some).collect()
-                } else {
-                    vec![None; k]
-                };
-                cuts[i] = Some(Pieces {
-                    uplinks,
-                    jitter_us: vec![0; k],
-                });
+                let uplinks = if remote { fixed_uplinks(k, s, env.rng).into_iter().map(Some).collect() } else { vec![None; k] };
+                cuts[i] = Some(Pieces { uplinks, jitter_us: vec![0; k] });
             }
             // Rack-local (or unsplit): one whole piece, sent at once.
-            _ => {
-                cuts[i] = Some(Pieces {
-                    uplinks: vec![None],
-                    jitter_us: vec![0],
-                })
-            }
+            _ => cuts[i] = Some(Pieces { uplinks: vec![None], jitter_us: vec![0] }),
         }
     }
     for ((rail, _leaf, _size), members) in groups {
@@ -142,14 +115,8 @@ pub(crate) fn split(
         let start = env.rng.gen_range(0..good.len());
         let assigned = assign_flows(members.len(), &good, start);
         for (i, ups) in members.into_iter().zip(assigned) {
-            let jitter_us = ups
-                .iter()
-                .map(|_| env.rng.gen_range(0..=env.params.jitter_us))
-                .collect();
-            cuts[i] = Some(Pieces {
-                uplinks: ups.into_iter().map(Some).collect(),
-                jitter_us,
-            });
+            let jitter_us = ups.iter().map(|_| env.rng.gen_range(0..=env.params.jitter_us)).collect();
+            cuts[i] = Some(Pieces { uplinks: ups.into_iter().map(Some).collect(), jitter_us });
         }
     }
 

@@ -59,8 +59,7 @@ pub const SUBSYS_INIT: c_ulong = 0x1;
 pub const SUBSYS_NET: c_ulong = 0x10;
 
 /// `ncclDebugLogger_t`: NCCL's printf-style logger. Prism always passes `fmt = "%s"` and one string.
-pub type Logger =
-    unsafe extern "C" fn(level: c_int, flags: c_ulong, file: *const c_char, line: c_int, fmt: *const c_char, ...);
+pub type Logger = unsafe extern "C" fn(level: c_int, flags: c_ulong, file: *const c_char, line: c_int, fmt: *const c_char, ...);
 
 /// `ncclProfilerCallback_t`: NCCL's profiler hook (v10+). Prism does not call it.
 pub type ProfilerCallback = unsafe extern "C" fn(

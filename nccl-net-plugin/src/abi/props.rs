@@ -302,7 +302,14 @@ mod tests {
     }
 
     fn sample() -> DeviceProps {
-        DeviceProps { dev: 3, name: c"prism:eth3".as_ptr(), pci_path: std::ptr::null(), speed_mbps: 25_000, guid: 0x02fc_0000_0001, max_recvs: 8 }
+        DeviceProps {
+            dev: 3,
+            name: c"prism:eth3".as_ptr(),
+            pci_path: std::ptr::null(),
+            speed_mbps: 25_000,
+            guid: 0x02fc_0000_0001,
+            max_recvs: 8,
+        }
     }
 
     #[test]

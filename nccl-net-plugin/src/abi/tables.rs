@@ -8,20 +8,15 @@
 use std::ffi::{c_char, c_int, c_void};
 
 use super::{
-    CommConfig, DeviceHandle, Logger, NcclResult, NetAttr, ProfilerCallback, PropertiesV11, PropertiesV12,
-    PropertiesV9, VDevicePropsV12, VDevicePropsV9,
+    CommConfig, DeviceHandle, Logger, NcclResult, NetAttr, ProfilerCallback, PropertiesV11, PropertiesV12, PropertiesV9, VDevicePropsV12,
+    VDevicePropsV9,
 };
 
 type Listen = unsafe extern "C" fn(dev: c_int, handle: *mut c_void, listen_comm: *mut *mut c_void) -> NcclResult;
-type ListenCtx =
-    unsafe extern "C" fn(ctx: *mut c_void, dev: c_int, handle: *mut c_void, listen_comm: *mut *mut c_void) -> NcclResult;
-type Accept = unsafe extern "C" fn(
-    listen_comm: *mut c_void,
-    recv_comm: *mut *mut c_void,
-    recv_dev_comm: *mut *mut DeviceHandle,
-) -> NcclResult;
-type RegMr =
-    unsafe extern "C" fn(comm: *mut c_void, data: *mut c_void, size: usize, kind: c_int, mhandle: *mut *mut c_void) -> NcclResult;
+type ListenCtx = unsafe extern "C" fn(ctx: *mut c_void, dev: c_int, handle: *mut c_void, listen_comm: *mut *mut c_void) -> NcclResult;
+type Accept =
+    unsafe extern "C" fn(listen_comm: *mut c_void, recv_comm: *mut *mut c_void, recv_dev_comm: *mut *mut DeviceHandle) -> NcclResult;
+type RegMr = unsafe extern "C" fn(comm: *mut c_void, data: *mut c_void, size: usize, kind: c_int, mhandle: *mut *mut c_void) -> NcclResult;
 type RegMrDmaBuf = unsafe extern "C" fn(
     comm: *mut c_void,
     data: *mut c_void,

@@ -35,9 +35,7 @@ pub fn compile_c(sources: &[&str], out: &Path) {
     let root = repo_root();
     let cc = std::env::var("CC").unwrap_or_else(|_| "cc".to_string());
     let mut cmd = Command::new(&cc);
-    cmd.args(["-std=c11", "-O2", "-g", "-Wall", "-Wextra", "-Werror"])
-        .arg("-I")
-        .arg(root.join("include"));
+    cmd.args(["-std=c11", "-O2", "-g", "-Wall", "-Wextra", "-Werror"]).arg("-I").arg(root.join("include"));
     for s in sources {
         cmd.arg(root.join("tests-c").join(s));
     }

@@ -31,8 +31,8 @@ use sideway::ibverbs::device_context::{DeviceContext, Mtu, PortState};
 use sideway::ibverbs::memory_region::MemoryRegion;
 use sideway::ibverbs::protection_domain::ProtectionDomain;
 use sideway::ibverbs::queue_pair::{
-    ExtendedQueuePair, PostSendGuard as _, QueuePair as _, QueuePairAttribute, QueuePairState, QueuePairType,
-    SendOperationFlags, SetScatterGatherEntry as _, WorkRequestFlags,
+    ExtendedQueuePair, PostSendGuard as _, QueuePair as _, QueuePairAttribute, QueuePairState, QueuePairType, SendOperationFlags,
+    SetScatterGatherEntry as _, WorkRequestFlags,
 };
 use sideway::ibverbs::AccessFlags;
 
@@ -279,14 +279,14 @@ fn open(dev: &sideway::ibverbs::device::Device<'_>, name: &str, gid_index: Optio
     }
     let table = vtry!(ctx.query_gid_table(), "query_gid_table")?;
     let roce_v4 = |e: &&sideway::ibverbs::address::GidEntry| {
-        e.port_num() == 1
-            && matches!(e.gid_type(), GidType::RoceV2)
-            && Ipv6Addr::from(e.gid().raw).to_ipv4_mapped().is_some()
+        e.port_num() == 1 && matches!(e.gid_type(), GidType::RoceV2) && Ipv6Addr::from(e.gid().raw).to_ipv4_mapped().is_some()
     };
     let entry = match gid_index {
-        Some(i) => table.iter().find(|e| e.gid_index() == u32::from(i) && e.port_num() == 1).copied().ok_or_else(|| {
-            VerbsError::NoDevice(format!("PRISM_IB_GID_INDEX={i}: no such GID on port 1"))
-        })?,
+        Some(i) => table
+            .iter()
+            .find(|e| e.gid_index() == u32::from(i) && e.port_num() == 1)
+            .copied()
+            .ok_or_else(|| VerbsError::NoDevice(format!("PRISM_IB_GID_INDEX={i}: no such GID on port 1")))?,
         None => table.iter().find(roce_v4).copied().ok_or_else(|| VerbsError::NoDevice("no RoCEv2 IPv4-mapped GID".into()))?,
     };
     let gid = entry.gid().raw;
@@ -758,7 +758,17 @@ impl QpSet {
     /// Post a DATA packet on QP `q`: WRITE WITH IMM of `len` bytes from `local` (registered, `lkey`)
     /// to `remote` (`rkey`), then a SEND of its 64-byte `header`. The caller checked the ranges.
     #[allow(clippy::too_many_arguments)]
-    pub fn post_data(&mut self, q: usize, local: u64, lkey: u32, len: u32, remote: u64, rkey: u32, psn: u64, header: &[u8]) -> Result<(), PostFail> {
+    pub fn post_data(
+        &mut self,
+        q: usize,
+        local: u64,
+        lkey: u32,
+        len: u32,
+        remote: u64,
+        rkey: u32,
+        psn: u64,
+        header: &[u8],
+    ) -> Result<(), PostFail> {
         if header.len() > SLOT_BYTES {
             return Err(PostFail::TooBig);
         }
@@ -768,7 +778,8 @@ impl QpSet {
         let ring_lkey = self.send_ring.mr.lkey();
         let qp = &mut self.qps[q];
         let mut g = qp.qp.start_post_send();
-        let w = g.construct_wr(wr_id(q, qp.gen, KIND_WRITE, 0), WorkRequestFlags::Signaled).setup_write_imm(rkey, remote, imm_of(psn).to_be());
+        let w =
+            g.construct_wr(wr_id(q, qp.gen, KIND_WRITE, 0), WorkRequestFlags::Signaled).setup_write_imm(rkey, remote, imm_of(psn).to_be());
         // SAFETY: `local..local + len` lies in memory registered with `lkey` that the caller keeps
         // registered and unchanged until the send completes (the engine holds the registration for
         // the message's lifetime).
@@ -972,8 +983,19 @@ mod tests {
     fn only_bare_data_headers_with_payload_wait_for_a_write() {
         use crate::wire::{ControlKind, ControlPacket, ControlRepr, DataRepr};
         let d = DataRepr {
-            token: 1, cts_ack: 0, psn: 77, cts_seq: 0, sub: 0, offset: 0, len: 100, total_len: 100,
-            entropy: 0, ts_us: 0, trunc: false, ce: false, retx: false,
+            token: 1,
+            cts_ack: 0,
+            psn: 77,
+            cts_seq: 0,
+            sub: 0,
+            offset: 0,
+            len: 100,
+            total_len: 100,
+            entropy: 0,
+            ts_us: 0,
+            trunc: false,
+            ce: false,
+            retx: false,
         };
         let mut buf = vec![0u8; d.buffer_len()];
         d.emit(&mut DataPacket::new_unchecked(&mut buf[..]));

@@ -7,13 +7,13 @@ use std::sync::Arc;
 
 use parking_lot::Mutex;
 
+use super::net::NetInner;
 use super::planned::{ChunkMap, Plans, SharedRate};
 use super::rail::{Datagram, Inbox};
 use super::vcomm::VerbsComm;
-use super::net::NetInner;
 use super::{RecvBuf, ReqId, SendBuf, TransportError, MAX_RECVS, MAX_RECV_REQUESTS, MAX_SEND_REQUESTS};
 use crate::backend::udp::BATCH;
-use crate::proto::{Completion, Connection, MsgError, MsgId, Placer, PayloadSource, PostError, RecvSpec};
+use crate::proto::{Completion, Connection, MsgError, MsgId, PayloadSource, Placer, PostError, RecvSpec};
 
 /// Batches of transmissions one progress call may send before it returns (keeps test() short).
 const MAX_TX_BATCHES: usize = 64;
@@ -293,10 +293,9 @@ impl CommCore {
         use crate::wire::{ControlKind, ControlPacket, ControlRepr, Header, PacketType};
         let steerable = match Header::new_checked(pkt).ok().and_then(|h| h.packet_type().ok()) {
             Some(PacketType::Sack | PacketType::Cts) => true,
-            Some(PacketType::Control) => ControlPacket::new_checked(pkt)
-                .ok()
-                .and_then(|p| ControlRepr::parse(&p).ok())
-                .is_some_and(|c| c.kind == ControlKind::Ack),
+            Some(PacketType::Control) => {
+                ControlPacket::new_checked(pkt).ok().and_then(|p| ControlRepr::parse(&p).ok()).is_some_and(|c| c.kind == ControlKind::Ack)
+            }
             _ => false,
         };
         if !steerable {
@@ -563,10 +562,7 @@ impl RecvComm {
     /// connection whose peer closed or died the receive is accepted and its `test` reports why it failed.
     pub fn irecv(&mut self, bufs: Vec<(Box<dyn RecvBuf>, i32)>) -> Result<Option<ReqId>, TransportError> {
         if bufs.is_empty() || bufs.len() > MAX_RECVS {
-            return Err(TransportError::InvalidArgument(format!(
-                "a grouped receive needs 1 to {MAX_RECVS} buffers, got {}",
-                bufs.len()
-            )));
+            return Err(TransportError::InvalidArgument(format!("a grouped receive needs 1 to {MAX_RECVS} buffers, got {}", bufs.len())));
         }
         let mut core = self.shared.lock();
         let now = core.net.now_us();

@@ -133,8 +133,7 @@ impl TransportConfig {
     pub fn from_vars(vars: &BTreeMap<String, String>) -> Result<Self, TransportError> {
         let mut c = Self::default();
         if let Some(v) = vars.get("PRISM_IFNAMES") {
-            let names: Vec<String> =
-                v.split(',').map(|s| s.trim().to_string()).filter(|s| !s.is_empty()).collect();
+            let names: Vec<String> = v.split(',').map(|s| s.trim().to_string()).filter(|s| !s.is_empty()).collect();
             if names.is_empty() {
                 return Err(bad("PRISM_IFNAMES", v, "must list interface names, e.g. eth0,eth1"));
             }

@@ -21,8 +21,7 @@ fn parse_default_route(table: &str) -> Option<String> {
 
 /// The first IPv4 address of `ifname` (Prism's UDP backend speaks IPv4 today).
 fn ipv4_of(ifname: &str) -> Result<Ipv4Addr, TransportError> {
-    let addrs = nix::ifaddrs::getifaddrs()
-        .map_err(|e| TransportError::Io { what: "getifaddrs".into(), source: e.into() })?;
+    let addrs = nix::ifaddrs::getifaddrs().map_err(|e| TransportError::Io { what: "getifaddrs".into(), source: e.into() })?;
     addrs
         .filter(|a| a.interface_name == ifname)
         .find_map(|a| a.address.and_then(|s| s.as_sockaddr_in().map(|sin| sin.ip())))
@@ -37,9 +36,8 @@ fn sysfs(ifname: &str, file: &str) -> Option<String> {
 /// unique (`prism:lo`, `prism:lo#1` for `PRISM_IFNAMES=lo,lo`), and so are GUIDs (rail index).
 pub fn discover(ifnames: &[String]) -> Result<Vec<DeviceInfo>, TransportError> {
     let names: Vec<String> = if ifnames.is_empty() {
-        vec![default_route_ifname().ok_or_else(|| {
-            TransportError::NoDevice("no default route; set PRISM_IFNAMES (e.g. PRISM_IFNAMES=lo for one host)".into())
-        })?]
+        vec![default_route_ifname()
+            .ok_or_else(|| TransportError::NoDevice("no default route; set PRISM_IFNAMES (e.g. PRISM_IFNAMES=lo for one host)".into()))?]
     } else {
         ifnames.to_vec()
     };

@@ -37,7 +37,11 @@ pub enum TransportError {
     BadHandle(String),
     /// A system call failed.
     #[error("{what}: {source}")]
-    Io { what: String, #[source] source: std::io::Error },
+    Io {
+        what: String,
+        #[source]
+        source: std::io::Error,
+    },
     /// The peer did not answer the handshake within the configured time.
     #[error("connection handshake with {peer} timed out after {ms} ms")]
     HandshakeTimeout { peer: String, ms: u64 },
@@ -81,6 +85,10 @@ pub struct DeviceInfo {
 pub trait SendBuf: Send {
     /// Length of the message in bytes.
     fn len(&self) -> usize;
+    /// True for a zero-byte message.
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
     /// Copy `out.len()` bytes starting at `offset`; the engine guarantees `offset + out.len() <= len()`.
     fn read(&self, offset: usize, out: &mut [u8]);
     /// Address of the first byte in this process, for RDMA (the verbs backend sends straight from
@@ -94,6 +102,10 @@ pub trait SendBuf: Send {
 pub trait RecvBuf: Send {
     /// Length of the posted buffer in bytes.
     fn len(&self) -> usize;
+    /// True for a zero-byte buffer.
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
     /// Write `data` at `offset`; the engine guarantees `offset + data.len() <= len()`.
     fn write(&mut self, offset: usize, data: &[u8]);
     /// Address of the first byte in this process, for RDMA (the verbs backend's peer writes straight

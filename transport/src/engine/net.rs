@@ -41,12 +41,12 @@ use rand::{RngCore, SeedableRng};
 use socket2::{Domain, Protocol, SockAddr, Socket, Type};
 
 use super::comm::{CommCore, RecvComm, SendComm, SharedCore};
+use super::config::{QpType, Transport};
 use super::planned::{PlannedPaths, Plans, SharedRate};
 use super::progress::Progress;
 use super::rail::Rail;
-use super::{device, sysfs, DeviceInfo, TransportConfig, TransportError, HANDLE_LEN};
-use super::config::{QpType, Transport};
 use super::vcomm::{decode_peers, encode_peers, VerbsComm};
+use super::{device, sysfs, DeviceInfo, TransportConfig, TransportError, HANDLE_LEN};
 use crate::backend::udp::{UdpRail, BATCH};
 use crate::backend::verbs::{self, VerbsDevice};
 use crate::proto::{Connection, ProtoConfig};
@@ -120,16 +120,8 @@ impl NetInner {
     /// to `rate`.
     fn connection(&self, local: u64, peer: u64, peer_host: u32, home: u16, plans: &Plans, rate: &SharedRate) -> Connection {
         let seed = self.conn_seed();
-        let policy = PlannedPaths::new(
-            &self.lb_rt,
-            peer_host as usize,
-            self.rails.len() as u16,
-            self.cfg.paths,
-            home,
-            seed,
-            plans.clone(),
-        )
-        .with_rate(rate.clone());
+        let policy = PlannedPaths::new(&self.lb_rt, peer_host as usize, self.rails.len() as u16, self.cfg.paths, home, seed, plans.clone())
+            .with_rate(rate.clone());
         Connection::new(self.proto.clone(), local, peer, Box::new(policy), self.now_us())
     }
 
@@ -301,8 +293,7 @@ fn io_err(what: impl Into<String>) -> impl FnOnce(io::Error) -> TransportError {
 }
 
 fn would_block(e: &io::Error) -> bool {
-    matches!(e.kind(), io::ErrorKind::WouldBlock | io::ErrorKind::Interrupted)
-        || e.raw_os_error() == Some(libc::EINPROGRESS)
+    matches!(e.kind(), io::ErrorKind::WouldBlock | io::ErrorKind::Interrupted) || e.raw_os_error() == Some(libc::EINPROGRESS)
 }
 
 impl Net {
@@ -331,7 +322,12 @@ impl Net {
             let names: Vec<String> =
                 vdevs.iter().map(|d| format!("{} (GID index {}, {}, {})", d.name, d.gid_index, d.ipv4, d.ifname)).collect();
             let why = if cfg.transport == Transport::Verbs { "PRISM_TRANSPORT=verbs" } else { "auto: RDMA device found" };
-            tracing::info!("transport: verbs ({why}; {} {} QPs per rail: {})", cfg.paths, if cfg.qp == QpType::Rc { "RC" } else { "UC" }, names.join(", "));
+            tracing::info!(
+                "transport: verbs ({why}; {} {} QPs per rail: {})",
+                cfg.paths,
+                if cfg.qp == QpType::Rc { "RC" } else { "UC" },
+                names.join(", ")
+            );
             for (rail, d) in vdevs.into_iter().enumerate() {
                 // Verbs device names are unique (one entry per device), so the names need no suffix.
                 let p = sysfs::verbs_placement(std::path::Path::new(sysfs::SYSFS), &d.name, 1, &d.ifname, rail);
@@ -391,10 +387,7 @@ impl Net {
             window_pkts: cfg.window_pkts,
             // A batch is reordered by up to its length when it is spread over the sockets; a small
             // window (slow links) cannot have that many packets overtake a lost one, so stay below it.
-            reorder_threshold: ProtoConfig::default()
-                .reorder_threshold
-                .max(BATCH as u32 + 32)
-                .min((cfg.window_pkts / 2).max(3)),
+            reorder_threshold: ProtoConfig::default().reorder_threshold.max(BATCH as u32 + 32).min((cfg.window_pkts / 2).max(3)),
             rto_min_us: cfg.rto_min_us,
             peer_timeout_us: cfg.peer_timeout_ms * 1000,
             stall_timeout_us: cfg.stall_timeout_ms * 1000,
@@ -673,8 +666,8 @@ fn lb_runtime(cfg: &TransportConfig, lb: &prism_lb::LbConfig, rails: &[Arc<Rail>
     let topo = match &lb.topo_path {
         None => Topology::single_leaf(n),
         Some(path) => {
-            let text = std::fs::read_to_string(path)
-                .map_err(|e| TransportError::Config(format!("PRISM_TOPO={path}: cannot read it: {e}")))?;
+            let text =
+                std::fs::read_to_string(path).map_err(|e| TransportError::Config(format!("PRISM_TOPO={path}: cannot read it: {e}")))?;
             let t = Topology::from_json(&text).map_err(|e| TransportError::Config(format!("PRISM_TOPO={path}: {e}")))?;
             if t.rails() != n {
                 return Err(TransportError::Config(format!(

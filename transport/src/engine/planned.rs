@@ -21,8 +21,7 @@ pub(crate) struct ChunkMap {
 
 impl ChunkMap {
     pub fn from_plan(plan: &Plan) -> Self {
-        let mut spans: Vec<_> =
-            plan.chunks.iter().map(|c| (c.offset, c.offset + u64::from(c.len), c.rail, c.uplink)).collect();
+        let mut spans: Vec<_> = plan.chunks.iter().map(|c| (c.offset, c.offset + u64::from(c.len), c.rail, c.uplink)).collect();
         spans.sort_unstable_by_key(|s| s.0);
         Self { spans }
     }
@@ -57,9 +56,7 @@ pub(crate) struct PlannedPaths {
 impl PlannedPaths {
     /// Path policies for a comm to `dst_host` whose home (NCCL device) rail is `home`.
     pub fn new(rt: &LbRuntime, dst_host: usize, rails: u16, paths: u16, home: u16, seed: u64, plans: Plans) -> Self {
-        let rails = (0..rails)
-            .map(|rail| rt.path_policy(FlowInfo { dst_host, rail }, seed ^ (u64::from(rail) << 48)))
-            .collect();
+        let rails = (0..rails).map(|rail| rt.path_policy(FlowInfo { dst_host, rail }, seed ^ (u64::from(rail) << 48))).collect();
         Self { paths, home, rails, plans, rate: None }
     }
 

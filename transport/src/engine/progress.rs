@@ -191,7 +191,8 @@ fn run(net: Weak<NetInner>, stop: Arc<AtomicBool>) {
             continue;
         }
         // Wake early when any rail has datagrams.
-        let mut fds: Vec<PollFd<'_>> = net.rails.iter().filter_map(|r| r.udp.as_ref()).map(|u| PollFd::new(u.rx_fd(), PollFlags::POLLIN)).collect();
+        let mut fds: Vec<PollFd<'_>> =
+            net.rails.iter().filter_map(|r| r.udp.as_ref()).map(|u| PollFd::new(u.rx_fd(), PollFlags::POLLIN)).collect();
         let ts = TimeSpec::from_duration(std::time::Duration::from_micros(sleep_us));
         let _ = nix::poll::ppoll(&mut fds, Some(ts), None);
     }

@@ -93,12 +93,8 @@ pub(crate) fn parse(b: &[u8], rails: usize, paths: usize) -> Parsed {
     };
     let u32_at = |o: usize| u32::from_be_bytes([b[o], b[o + 1], b[o + 2], b[o + 3]]);
     let c = QpCtl { kind, rail: b[5], q: u16::from_be_bytes([b[6], b[7]]), epoch: u32_at(8), qpn: u32_at(12), psn: u32_at(16) };
-    let valid = (c.rail as usize) < rails
-        && (c.q as usize) < paths
-        && c.epoch != 0
-        && c.qpn != 0
-        && c.qpn <= 0xFF_FFFF
-        && c.psn <= 0xFF_FFFF;
+    let valid =
+        (c.rail as usize) < rails && (c.q as usize) < paths && c.epoch != 0 && c.qpn != 0 && c.qpn <= 0xFF_FFFF && c.psn <= 0xFF_FFFF;
     if valid {
         Parsed::Ctl(c)
     } else {
@@ -128,10 +124,16 @@ pub(crate) enum Action {
     Send(QpCtl),
     /// Reset our QP, connect it to the peer's `(qpn, psn)`, then call [`Revive::answered`] (or
     /// [`Revive::failed`]).
-    ResetAndConnect { qpn: u32, psn: u32 },
+    ResetAndConnect {
+        qpn: u32,
+        psn: u32,
+    },
     /// Connect our (reset) QP to the peer's `(qpn, psn)`, then call [`Revive::connected`] (or
     /// [`Revive::failed`]).
-    Connect { qpn: u32, psn: u32 },
+    Connect {
+        qpn: u32,
+        psn: u32,
+    },
 }
 
 /// The re-creation state of one QP, identified by (rail, q).

@@ -134,9 +134,7 @@ pub fn verbs_placement(root: &Path, dev: &str, port: u8, ifname: &str, rail: usi
     let ib = root.join("class/infiniband").join(dev);
     Placement {
         pci_path: pci_function_of(&ib.join("device")).or_else(|| net_pci_path(root, ifname)),
-        speed_mbps: ib_rate_mbps(root, dev, port)
-            .or_else(|| net_speed_mbps(root, ifname))
-            .unwrap_or(DEFAULT_SPEED_MBPS),
+        speed_mbps: ib_rate_mbps(root, dev, port).or_else(|| net_speed_mbps(root, ifname)).unwrap_or(DEFAULT_SPEED_MBPS),
         guid: ib_node_guid(root, dev).filter(|&g| g != 0).unwrap_or_else(|| udp_guid(root, ifname, rail)),
     }
 }
@@ -167,8 +165,7 @@ mod tests {
     impl Tree {
         fn new() -> Tree {
             static N: AtomicUsize = AtomicUsize::new(0);
-            let p = std::env::temp_dir()
-                .join(format!("prism-sysfs-{}-{}", std::process::id(), N.fetch_add(1, Ordering::Relaxed)));
+            let p = std::env::temp_dir().join(format!("prism-sysfs-{}-{}", std::process::id(), N.fetch_add(1, Ordering::Relaxed)));
             let _ = std::fs::remove_dir_all(&p);
             std::fs::create_dir_all(&p).unwrap();
             Tree(p)

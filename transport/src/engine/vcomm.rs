@@ -216,7 +216,14 @@ pub(crate) fn decode_peers(b: &[u8]) -> Result<Vec<RailPeer>, TransportError> {
 impl VerbsComm {
     /// QPs on every rail for connection `token` (INIT, receives posted).
     /// `connector`: this end connected (rather than accepted).
-    pub fn create(devs: &[Arc<VerbsDevice>], paths: u16, rc: bool, token: u64, max_payload: usize, connector: bool) -> Result<Self, TransportError> {
+    pub fn create(
+        devs: &[Arc<VerbsDevice>],
+        paths: u16,
+        rc: bool,
+        token: u64,
+        max_payload: usize,
+        connector: bool,
+    ) -> Result<Self, TransportError> {
         let base = crate::backend::verbs::flow_label_base(token, paths);
         let rails = devs
             .iter()
@@ -762,10 +769,8 @@ mod tests {
 
     #[test]
     fn handshake_block_round_trips_and_rejects_garbage() {
-        let peers = vec![
-            RailPeer { gid: [1; 16], qps: vec![(0x11, 5), (0x12, 6)] },
-            RailPeer { gid: [2; 16], qps: vec![(0x21, 7), (0x22, 8)] },
-        ];
+        let peers =
+            vec![RailPeer { gid: [1; 16], qps: vec![(0x11, 5), (0x12, 6)] }, RailPeer { gid: [2; 16], qps: vec![(0x21, 7), (0x22, 8)] }];
         let b = encode_peers(&peers);
         assert_eq!(decode_peers(&b).unwrap(), peers);
         assert!(decode_peers(&b[..b.len() - 1]).is_err());

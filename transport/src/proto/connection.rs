@@ -12,19 +12,21 @@ use super::rtt::RttEstimator;
 use super::sender::TxState;
 use super::stats::{ConnStats, PathHealth, PathStats};
 use super::{
-    Completion, Micros, MsgError, MsgId, PayloadSource, Placer, PostError, ProtoConfig, RecvSpec, Transmit,
-    MAX_OUTSTANDING_RECVS, MAX_OUTSTANDING_SENDS, MAX_RECV_BUFS,
+    Completion, Micros, MsgError, MsgId, PayloadSource, Placer, PostError, ProtoConfig, RecvSpec, Transmit, MAX_OUTSTANDING_RECVS,
+    MAX_OUTSTANDING_SENDS, MAX_RECV_BUFS,
 };
 use crate::wire::{
-    ControlKind, ControlPacket, ControlRepr, CtsPacket, CtsRepr, DataPacket, DataRepr, Header, PacketType, SackPacket,
-    SackRepr, WireError,
+    ControlKind, ControlPacket, ControlRepr, CtsPacket, CtsRepr, DataPacket, DataRepr, Header, PacketType, SackPacket, SackRepr, WireError,
 };
 
 #[derive(Debug, Clone)]
 enum Life {
     Open,
     /// Closed locally: a CLOSE goes out, and again (rate-limited) when the peer keeps talking.
-    Closed { close_due: bool, last_close_at: Option<Micros> },
+    Closed {
+        close_due: bool,
+        last_close_at: Option<Micros>,
+    },
     /// The peer timed out or closed.
     Dead(MsgError),
 }
@@ -243,9 +245,7 @@ impl Connection {
         let parsed = match placer {
             Some(_) => header.packet_type().and_then(|t| Parsed::parse(bytes, t)),
             None => match header.packet_type() {
-                Ok(PacketType::Data) => {
-                    DataPacket::new_checked_header(bytes).and_then(|p| DataRepr::parse(&p)).map(Parsed::Data)
-                }
+                Ok(PacketType::Data) => DataPacket::new_checked_header(bytes).and_then(|p| DataRepr::parse(&p)).map(Parsed::Data),
                 Ok(other) => Err(WireError::WrongType { expected: PacketType::Data as u8, got: other as u8 }),
                 Err(e) => Err(e),
             },
@@ -424,9 +424,7 @@ impl Connection {
                 continue;
             }
             match p.probe {
-                Probe::Idle
-                    if p.dead_since.saturating_add(revive) <= now && !matches!(next, Some((since, _)) if since <= p.dead_since) =>
-                {
+                Probe::Idle if p.dead_since.saturating_add(revive) <= now && !matches!(next, Some((since, _)) if since <= p.dead_since) => {
                     next = Some((p.dead_since, e));
                 }
                 Probe::Sent(at) if at.saturating_add(probe_wait) <= now => {

@@ -26,13 +26,7 @@ pub(crate) struct RtoDeadlines {
 
 impl RtoDeadlines {
     pub(crate) fn new(n_paths: u16) -> Self {
-        Self {
-            at: vec![NONE; n_paths as usize],
-            touched: Vec::new(),
-            is_touched: vec![false; n_paths as usize],
-            min: NONE,
-            argmin: 0,
-        }
+        Self { at: vec![NONE; n_paths as usize], touched: Vec::new(), is_touched: vec![false; n_paths as usize], min: NONE, argmin: 0 }
     }
 
     /// Path `e`'s transmissions or RTT changed.

@@ -153,8 +153,7 @@ impl Connection {
         let rx = &mut self.rx;
         let seq = rx.next_cts_seq;
         rx.next_cts_seq += 1;
-        let subs =
-            bufs.iter().map(|&spec| RecvSub { spec, total: None, received: 0, got: Ranges::default(), end: SubEnd::Open }).collect();
+        let subs = bufs.iter().map(|&spec| RecvSub { spec, total: None, received: 0, got: Ranges::default(), end: SubEnd::Open }).collect();
         rx.groups.push_back(RecvGroup { id, seq, subs, cts_sent_at: None, cts_retries: 0, cts_queued: true });
         rx.cts_queue.push_back(seq);
     }

@@ -242,10 +242,7 @@ impl TxState {
 
     fn is_live(&self, tx_seq: u64, psn: u64) -> bool {
         psn >= self.snd_una
-            && self
-                .ring
-                .get((psn - self.snd_una) as usize)
-                .is_some_and(|r| r.state == PktState::InFlight && r.tx_seq == tx_seq)
+            && self.ring.get((psn - self.snd_una) as usize).is_some_and(|r| r.state == PktState::InFlight && r.tx_seq == tx_seq)
     }
 }
 
@@ -330,10 +327,7 @@ impl Connection {
             tx.sends.remove(si);
             tx.tx_queue.push_back(TxItem { msg: id, cts_seq, sub: bi as u8, total: len, next_offset: 0, trunc: true });
             tracing::debug!(msg = id.0, send_len = len, recv_len = buf.size, "send larger than the matched receive");
-            self.completions.push_back(Completion::Failed {
-                msg: id,
-                error: MsgError::Truncated { send_len: len, recv_len: buf.size },
-            });
+            self.completions.push_back(Completion::Failed { msg: id, error: MsgError::Truncated { send_len: len, recv_len: buf.size } });
             Matched::Removed
         } else {
             tx.tx_queue.push_back(TxItem { msg: id, cts_seq, sub: bi as u8, total: len, next_offset: 0, trunc: false });
@@ -639,7 +633,8 @@ impl Connection {
     /// Fire every expired per-path RTO: the path gets a timeout (suspect, dead after
     /// `path_dead_after`), its expired packets are lost and will be resent elsewhere.
     pub(super) fn on_rto(&mut self, now: Micros) {
-        if !self.rto_deadlines.earliest(&self.paths).is_some_and(|d| d <= now) {
+        let expired = matches!(self.rto_deadlines.earliest(&self.paths), Some(d) if d <= now);
+        if !expired {
             // Nothing expired (the cached minimum is exact): only the dead-path flush below applies.
             self.flush_dead_paths(now);
             return;
@@ -950,7 +945,13 @@ mod tests {
     fn assert_invariant(c: &Connection, step: usize) {
         for s in c.tx.sends.iter().filter(|s| !s.matched) {
             for g in &c.tx.groups {
-                assert!(g.free_buf(s.tag).is_none(), "step {step}: send {:?} (tag {}) waits while CTS {} has a free buffer for it", s.id, s.tag, g.seq);
+                assert!(
+                    g.free_buf(s.tag).is_none(),
+                    "step {step}: send {:?} (tag {}) waits while CTS {} has a free buffer for it",
+                    s.id,
+                    s.tag,
+                    g.seq
+                );
             }
         }
         assert_eq!(c.tx.unmatched, c.tx.sends.iter().filter(|s| !s.matched).count(), "step {step}: unmatched count");

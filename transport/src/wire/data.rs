@@ -228,9 +228,8 @@ impl DataRepr {
     /// Write the header fields; the caller writes the `len` payload bytes into `payload_mut()`.
     /// The buffer must hold at least [`DATA_HEADER_LEN`] bytes.
     pub fn emit<T: AsRef<[u8]> + AsMut<[u8]>>(&self, p: &mut DataPacket<T>) {
-        let flags = (if self.trunc { FLAG_TRUNC } else { 0 })
-            | (if self.ce { FLAG_CE } else { 0 })
-            | (if self.retx { FLAG_RETX } else { 0 });
+        let flags =
+            (if self.trunc { FLAG_TRUNC } else { 0 }) | (if self.ce { FLAG_CE } else { 0 }) | (if self.retx { FLAG_RETX } else { 0 });
         p.header_mut().emit(PacketType::Data, flags, self.token, self.cts_ack);
         let b = p.buffer.as_mut();
         put_u64(b, PSN, self.psn);
@@ -314,10 +313,7 @@ pub(crate) mod tests {
     #[test]
     fn datagram_length_must_match_the_payload_length() {
         let mut buf = emit(&sample(), b"abc");
-        assert_eq!(
-            DataPacket::new_checked(&buf[..buf.len() - 1]).err(),
-            Some(WireError::Truncated { need: 67, have: 66 })
-        );
+        assert_eq!(DataPacket::new_checked(&buf[..buf.len() - 1]).err(), Some(WireError::Truncated { need: 67, have: 66 }));
         buf.push(0);
         assert_eq!(DataPacket::new_checked(&buf[..]).err(), Some(WireError::TrailingBytes { expected: 67, actual: 68 }));
     }
