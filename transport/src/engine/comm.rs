@@ -73,6 +73,9 @@ pub(crate) struct CommCore {
     board_data_pkts: u64,
     /// Control packets moved off a path a sending comm to the same peer does not trust.
     steered: u64,
+    /// Request failures logged at WARN so far: the first of a comm says what happened, the rest
+    /// (every other request of a comm whose peer went away fails the same way) go to DEBUG.
+    failures_warned: u32,
     /// The verbs side (verbs backend only).
     verbs: Option<VerbsComm>,
 }
@@ -156,6 +159,7 @@ impl CommCore {
             board_at_us: 0,
             board_data_pkts: 0,
             steered: 0,
+            failures_warned: 0,
             verbs,
         }
     }
@@ -244,7 +248,7 @@ impl CommCore {
                 }
                 Completion::Received { msg, sizes } => (msg, Outcome::Received(sizes)),
                 Completion::Failed { msg, error } => {
-                    tracing::warn!(role = self.role, peer = %self.peer_rails[0], "request failed: {error}");
+                    self.log_failure(format_args!("request failed: {error}"));
                     (msg, Outcome::Failed(error))
                 }
             };
@@ -351,6 +355,17 @@ impl CommCore {
         }
     }
 
+    /// A request failed: WARN for the first failure of this comm, DEBUG after that (a comm whose peer
+    /// closed with 64 requests in flight logs one line, not 64).
+    fn log_failure(&mut self, what: std::fmt::Arguments<'_>) {
+        if self.failures_warned == 0 {
+            tracing::warn!(role = self.role, peer = %self.peer_rails[0], "{what} (further failures of this comm are logged at DEBUG)");
+        } else {
+            tracing::debug!(role = self.role, peer = %self.peer_rails[0], "{what}");
+        }
+        self.failures_warned = self.failures_warned.saturating_add(1);
+    }
+
     /// What a refused post tells the caller. On a dead connection (the peer closed, timed out or
     /// died) the post is accepted all the same, as NCCL expects of a plugin that is not out of
     /// resources: the request fails with the reason when it is tested. `limit` bounds the requests
@@ -362,7 +377,7 @@ impl CommCore {
                 if self.reqs.len() >= limit {
                     return Ok(None);
                 }
-                tracing::warn!(role = self.role, peer = %self.peer_rails[0], "{what} on a dead connection: accepted, it fails when tested ({err})");
+                self.log_failure(format_args!("{what} on a dead connection: accepted, it fails when tested ({err})"));
                 let msg = MsgId(DEAD_POST | self.dead_posts);
                 self.dead_posts += 1;
                 self.done.insert(msg, Outcome::Failed(err));

@@ -156,7 +156,15 @@ fn wait_released(path: &std::path::Path, limit: Duration) {
     }
 }
 
+/// Panics of `CommCore::progress` reported so far (a bug in Prism; the thread survives it).
+const PANICS_REPORTED: u32 = 3;
+
+fn panic_text(payload: &(dyn std::any::Any + Send)) -> &str {
+    payload.downcast_ref::<&str>().copied().or_else(|| payload.downcast_ref::<String>().map(String::as_str)).unwrap_or("(no message)")
+}
+
 fn run(net: Weak<NetInner>, stop: Arc<AtomicBool>) {
+    let mut panics = 0u32;
     while !stop.load(Ordering::Acquire) {
         let Some(net) = net.upgrade() else { return };
         let start = net.now_us();
@@ -169,7 +177,14 @@ fn run(net: Weak<NetInner>, stop: Arc<AtomicBool>) {
                     continue;
                 }
                 orphans = true;
-                c.progress();
+                // A panic must not end the thread that keeps every other comm alive: it is reported
+                // (the first few) and the loop goes on; the owner's own calls still reach the comm.
+                if let Err(p) = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| c.progress())) {
+                    panics += 1;
+                    if panics <= PANICS_REPORTED {
+                        tracing::error!("progress of a comm panicked (a Prism bug, please report it): {}", panic_text(&*p));
+                    }
+                }
                 if let Some(t) = c.next_wake() {
                     wake = wake.min(t);
                 }
