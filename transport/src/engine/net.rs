@@ -82,6 +82,8 @@ pub(crate) struct NetInner {
     pub progress: Progress,
     /// Path knowledge shared by the comms that talk to the same peer rail.
     pub board: super::board::PathBoard,
+    /// Handshake counters of the listeners.
+    handshakes: HandshakeStats,
 }
 
 impl NetInner {
@@ -406,6 +408,7 @@ impl Net {
             seeds: AtomicU64::new(0),
             progress: Progress::default(),
             board: super::board::PathBoard::default(),
+            handshakes: HandshakeStats::default(),
         });
         let devices = inner.rails.iter().map(|r| r.info.clone()).collect();
         Ok(Net { inner, devices, pending: Mutex::new(HashMap::new()), next_stage: AtomicU64::new(1) })
@@ -475,7 +478,7 @@ impl Net {
         handle[8..12].copy_from_slice(&rail.addr.octets());
         handle[12..20].copy_from_slice(&nonce.to_be_bytes());
         tracing::debug!(rail = %rail.info.name, port, "listening");
-        Ok(Listener { inner: self.inner.clone(), rail, dev: dev as u16, sock, nonce, pending: Vec::new() })
+        Ok(Listener::new(self.inner.clone(), rail, dev as u16, sock, nonce))
     }
 
     /// Connect to the listener described by `handle`; `Ok(None)` until the handshake is done.
@@ -579,9 +582,13 @@ impl Net {
                     Ok(k) => {
                         let got = n + k;
                         if got == HELLO_LEN && pc.inp.len() == HELLO_LEN {
-                            // The fixed part is in: make room for the block it announces.
+                            // The fixed part is in: make room for the block it announces, but only
+                            // in a reply that proves it comes from our listener (anything else is
+                            // judged on its 144 bytes by `finish_connect`).
                             let h = parse_hello(&pc.inp)?;
-                            pc.inp.resize(HELLO_LEN + h.ext_len, 0);
+                            if h.kind == KIND_REPLY && h.status == 0 && h.nonce == pc.nonce && h.echo == pc.token {
+                                pc.inp.resize(HELLO_LEN + h.ext_len, 0);
+                            }
                         }
                         if got == pc.inp.len() {
                             return self.finish_connect(pc);
@@ -656,6 +663,7 @@ impl Net {
             "config": { "transport": self.inner.cfg.describe(), "lb": self.inner.lb.describe() },
             "rails": rails,
             "comms": *self.inner.closed.lock(),
+            "handshakes": self.inner.handshakes.json(),
         })
     }
 }
@@ -731,83 +739,250 @@ fn start_tcp_connect(target: SocketAddrV4, local: Ipv4Addr) -> Result<Socket, Tr
     }
 }
 
+/// Most handshakes a listener keeps pending; when full, the oldest is dropped for a newcomer.
+pub const MAX_PENDING_HANDSHAKES: usize = 256;
+/// Longest a handshake may stay pending (capped further by `PRISM_CONNECT_TIMEOUT_MS`): a silent
+/// peer holds an fd no longer than this.
+pub const MAX_HANDSHAKE_AGE_MS: u64 = 5_000;
+/// Verbs-block bytes all pending handshakes of one listener may hold together (a block is read only
+/// after its HELLO's nonce was verified; one that does not fit waits, then times out).
+const EXT_BUDGET: usize = 4 * MAX_EXT;
+/// New connections taken per `accept` call (the pending ones are served between batches).
+const ACCEPT_BATCH: usize = 64;
+/// At most one "accept is out of fds" warning per this interval.
+const ACCEPT_WARN_EVERY: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// Handshake counters of all listeners (shown in the stats JSON as `handshakes`).
+#[derive(Default)]
+pub(crate) struct HandshakeStats {
+    accepted: AtomicU64,
+    pending: AtomicU64,
+    dropped_full: AtomicU64,
+    dropped_timeout: AtomicU64,
+    rejected: AtomicU64,
+    peer_closed: AtomicU64,
+    accept_out_of_fds: AtomicU64,
+}
+
+impl HandshakeStats {
+    fn json(&self) -> serde_json::Value {
+        let g = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        serde_json::json!({
+            "accepted": g(&self.accepted), "pending": g(&self.pending), "dropped_full": g(&self.dropped_full),
+            "dropped_timeout": g(&self.dropped_timeout), "rejected": g(&self.rejected), "peer_closed": g(&self.peer_closed),
+            "accept_out_of_fds": g(&self.accept_out_of_fds),
+        })
+    }
+}
+
 struct PendingAccept {
     sock: Socket,
     from: SocketAddr,
-    inp: Vec<u8>,
+    since: Instant,
+    /// The fixed part of the HELLO: nothing more is read before its nonce is verified.
+    inp: [u8; HELLO_LEN],
     got: usize,
+    /// The verified HELLO, once its 144 bytes are in.
+    hello: Option<Hello>,
+    /// Its verbs block (allocated once verified and within the listener's budget).
+    ext: Vec<u8>,
+    /// Bytes of `EXT_BUDGET` this handshake holds.
+    reserved: usize,
     reply: Option<(Vec<u8>, usize, RecvComm)>,
 }
 
+/// Why a pending handshake was dropped.
+enum Refused {
+    Rejected(TransportError),
+    Closed(TransportError),
+}
+
 /// A listening endpoint (NCCL's listenComm). Several connects may be accepted from one listener.
+///
+/// Pending handshakes are bounded in number (`MAX_PENDING_HANDSHAKES`, the oldest dropped first) and
+/// in age (`MAX_HANDSHAKE_AGE_MS`, at most `PRISM_CONNECT_TIMEOUT_MS`); running out of fds in `accept`
+/// (EMFILE, ENFILE, ENOBUFS, ENOMEM) is logged and waited out, not returned: pending ones keep
+/// timing out, and new ones are taken when fds are back. A connector whose handshake was dropped
+/// sees the connection close and retries within its own timeout.
 pub struct Listener {
     inner: Arc<NetInner>,
     rail: Arc<Rail>,
     dev: u16,
     sock: Socket,
     nonce: u64,
-    pending: Vec<PendingAccept>,
+    pending: std::collections::VecDeque<PendingAccept>,
+    ext_held: usize,
+    out_of_fds_since_warn: u64,
+    last_warn: Option<Instant>,
+}
+
+impl Drop for Listener {
+    fn drop(&mut self) {
+        self.inner.handshakes.pending.fetch_sub(self.pending.len() as u64, Ordering::Relaxed);
+    }
+}
+
+fn out_of_fds(e: &io::Error) -> bool {
+    matches!(e.raw_os_error(), Some(libc::EMFILE | libc::ENFILE | libc::ENOBUFS | libc::ENOMEM))
 }
 
 impl Listener {
+    fn new(inner: Arc<NetInner>, rail: Arc<Rail>, dev: u16, sock: Socket, nonce: u64) -> Listener {
+        let pending = std::collections::VecDeque::new();
+        Listener { inner, rail, dev, sock, nonce, pending, ext_held: 0, out_of_fds_since_warn: 0, last_warn: None }
+    }
+
+    fn max_age(&self) -> std::time::Duration {
+        std::time::Duration::from_millis(MAX_HANDSHAKE_AGE_MS.min(self.inner.cfg.connect_timeout_ms))
+    }
+
+    fn remove(&mut self, i: usize) -> PendingAccept {
+        let p = self.pending.remove(i).expect("index in range");
+        self.ext_held -= p.reserved;
+        self.inner.handshakes.pending.fetch_sub(1, Ordering::Relaxed);
+        p
+    }
+
     /// Accept one connection if a peer has finished its half of the handshake; never blocks.
     pub fn accept(&mut self) -> Result<Option<RecvComm>, TransportError> {
-        loop {
+        let inner = self.inner.clone();
+        let hs = &inner.handshakes;
+        for _ in 0..ACCEPT_BATCH {
             match self.sock.accept() {
                 Ok((s, from)) => {
-                    s.set_nonblocking(true).map_err(io_err("TCP non-blocking"))?;
                     let from = from.as_socket().unwrap_or(SocketAddr::from(([0, 0, 0, 0], 0)));
-                    self.pending.push(PendingAccept { sock: s, from, inp: vec![0; HELLO_LEN], got: 0, reply: None });
+                    if let Err(e) = s.set_nonblocking(true) {
+                        tracing::warn!(%from, "handshake dropped: TCP non-blocking: {e}");
+                        continue;
+                    }
+                    if self.pending.len() >= MAX_PENDING_HANDSHAKES {
+                        let old = self.remove(0);
+                        hs.dropped_full.fetch_add(1, Ordering::Relaxed);
+                        tracing::debug!(from = %old.from, "handshake dropped: {MAX_PENDING_HANDSHAKES} pending, this one the oldest");
+                    }
+                    hs.pending.fetch_add(1, Ordering::Relaxed);
+                    self.pending.push_back(PendingAccept {
+                        sock: s,
+                        from,
+                        since: Instant::now(),
+                        inp: [0; HELLO_LEN],
+                        got: 0,
+                        hello: None,
+                        ext: Vec::new(),
+                        reserved: 0,
+                        reply: None,
+                    });
                 }
-                Err(e) if would_block(&e) => break,
+                Err(e) if would_block(&e) || e.raw_os_error() == Some(libc::ECONNABORTED) => break,
+                Err(e) if out_of_fds(&e) => {
+                    hs.accept_out_of_fds.fetch_add(1, Ordering::Relaxed);
+                    self.out_of_fds_since_warn += 1;
+                    if !matches!(self.last_warn, Some(t) if t.elapsed() < ACCEPT_WARN_EVERY) {
+                        tracing::warn!(
+                            rail = %self.rail.info.name,
+                            pending = self.pending.len(),
+                            "TCP accept: {e} ({} times since the last warning); pending handshakes still time out, new ones wait",
+                            self.out_of_fds_since_warn
+                        );
+                        self.last_warn = Some(Instant::now());
+                        self.out_of_fds_since_warn = 0;
+                    }
+                    break;
+                }
                 Err(e) => return Err(TransportError::Io { what: "TCP accept".into(), source: e }),
             }
         }
+        let max_age = self.max_age();
         let mut i = 0;
         while i < self.pending.len() {
             match self.step(i) {
                 Ok(Some(comm)) => {
-                    self.pending.swap_remove(i);
+                    self.remove(i);
+                    self.inner.handshakes.accepted.fetch_add(1, Ordering::Relaxed);
                     return Ok(Some(comm));
                 }
+                Ok(None) if self.pending[i].since.elapsed() > max_age => {
+                    let p = self.remove(i);
+                    self.inner.handshakes.dropped_timeout.fetch_add(1, Ordering::Relaxed);
+                    tracing::debug!(from = %p.from, "handshake dropped: not completed within {max_age:?}");
+                }
                 Ok(None) => i += 1,
-                Err(e) => {
+                Err(why) => {
                     // One bad peer must not break the listener for the others.
-                    tracing::warn!(from = %self.pending[i].from, "handshake dropped: {e}");
-                    self.pending.swap_remove(i);
+                    let p = self.remove(i);
+                    let (counter, e) = match why {
+                        Refused::Rejected(e) => (&self.inner.handshakes.rejected, e),
+                        Refused::Closed(e) => (&self.inner.handshakes.peer_closed, e),
+                    };
+                    counter.fetch_add(1, Ordering::Relaxed);
+                    tracing::debug!(from = %p.from, "handshake dropped: {e}");
                 }
             }
         }
         Ok(None)
     }
 
-    fn step(&mut self, i: usize) -> Result<Option<RecvComm>, TransportError> {
+    fn step(&mut self, i: usize) -> Result<Option<RecvComm>, Refused> {
+        let closed = |e| Refused::Closed(e);
         let p = &mut self.pending[i];
         if p.reply.is_none() {
-            match (&p.sock).read(&mut p.inp[p.got..]) {
-                Ok(0) => return Err(TransportError::ConnectionFailed("peer closed during handshake".into())),
-                Ok(k) => p.got += k,
-                Err(e) if would_block(&e) => return Ok(None),
-                Err(e) => return Err(TransportError::Io { what: "handshake read".into(), source: e }),
-            }
-            if p.got == HELLO_LEN && p.inp.len() == HELLO_LEN {
-                if let Ok(h) = parse_hello(&p.inp) {
-                    p.inp.resize(HELLO_LEN + h.ext_len, 0);
+            if p.hello.is_none() {
+                match (&p.sock).read(&mut p.inp[p.got..]) {
+                    Ok(0) => return Err(closed(TransportError::ConnectionFailed("peer closed during handshake".into()))),
+                    Ok(k) => p.got += k,
+                    Err(e) if would_block(&e) => return Ok(None),
+                    Err(e) => return Err(closed(TransportError::Io { what: "handshake read".into(), source: e })),
+                }
+                if p.got < HELLO_LEN {
+                    return Ok(None);
+                }
+                let ours = u8::from(self.inner.is_verbs());
+                match parse_hello(&p.inp) {
+                    // The block is verbs-only; a HELLO for the other backend is refused before it.
+                    Ok(h) if h.kind == KIND_HELLO && h.nonce == self.nonce && h.backend == ours && (ours == 1 || h.ext_len == 0) => {
+                        p.hello = Some(h)
+                    }
+                    Ok(h) if h.kind == KIND_HELLO && h.nonce == self.nonce && h.backend != ours => {
+                        let mut none = None;
+                        let e = self.inner.join(&h, &[], &mut none).err().unwrap_or(TransportError::ConnectionFailed("backend".into()));
+                        let _ = (&p.sock).write(&self.inner.hello(KIND_REPLY, 1, 0, 0, 0, None)[..HELLO_LEN]);
+                        return Err(Refused::Rejected(e));
+                    }
+                    Ok(_) | Err(_) => {
+                        let _ = (&p.sock).write(&self.inner.hello(KIND_REPLY, 1, 0, 0, 0, None)[..HELLO_LEN]);
+                        return Err(Refused::Rejected(TransportError::BadHandle(format!(
+                            "HELLO from {} does not match this listener",
+                            p.from
+                        ))));
+                    }
                 }
             }
-            if p.got < p.inp.len() {
-                return Ok(None);
-            }
-            let h = match parse_hello(&p.inp) {
-                Ok(h) if h.kind == KIND_HELLO && h.nonce == self.nonce => h,
-                Ok(_) | Err(_) => {
-                    let _ = (&p.sock).write(&self.inner.hello(KIND_REPLY, 1, 0, 0, 0, None)[..HELLO_LEN]);
-                    return Err(TransportError::BadHandle(format!("HELLO from {} does not match this listener", p.from)));
+            let ext_len = p.hello.as_ref().map_or(0, |h| h.ext_len);
+            if p.ext.len() < ext_len {
+                if p.reserved == 0 {
+                    if self.ext_held + ext_len > EXT_BUDGET {
+                        return Ok(None); // waits for the others' blocks (or times out)
+                    }
+                    self.ext_held += ext_len;
+                    p.reserved = ext_len;
+                    p.ext.reserve_exact(ext_len);
                 }
-            };
+                let mut chunk = [0u8; 16 << 10];
+                while p.ext.len() < ext_len {
+                    let want = (ext_len - p.ext.len()).min(chunk.len());
+                    match (&p.sock).read(&mut chunk[..want]) {
+                        Ok(0) => return Err(closed(TransportError::ConnectionFailed("peer closed during handshake".into()))),
+                        Ok(k) => p.ext.extend_from_slice(&chunk[..k]),
+                        Err(e) if would_block(&e) => return Ok(None),
+                        Err(e) => return Err(closed(TransportError::Io { what: "handshake read".into(), source: e })),
+                    }
+                }
+            }
+            let h = p.hello.take().expect("verified above");
             let token = new_token();
-            let mut verbs = self.inner.verbs_comm(token, false)?;
-            self.inner.join(&h, &p.inp[HELLO_LEN..], &mut verbs)?;
+            let mut verbs = self.inner.verbs_comm(token, false).map_err(Refused::Rejected)?;
+            self.inner.join(&h, &p.ext, &mut verbs).map_err(Refused::Rejected)?;
+            p.ext = Vec::new();
             let reply = self.inner.hello(KIND_REPLY, 0, self.nonce, token, h.token, verbs.as_ref());
             // Registered before the reply leaves, so the sender's first datagram finds its comm.
             let plans = Plans::default();
@@ -822,7 +997,7 @@ impl Listener {
             match (&p.sock).write(&reply[*sent..]) {
                 Ok(k) => *sent += k,
                 Err(e) if would_block(&e) => return Ok(None),
-                Err(e) => return Err(TransportError::Io { what: "handshake write".into(), source: e }),
+                Err(e) => return Err(closed(TransportError::Io { what: "handshake write".into(), source: e })),
             }
         }
         let (_, _, comm) = p.reply.take().expect("checked above");
