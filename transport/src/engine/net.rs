@@ -814,6 +814,8 @@ pub struct Listener {
     ext_held: usize,
     out_of_fds_since_warn: u64,
     last_warn: Option<Instant>,
+    /// When a refused HELLO was last logged at WARN (a flood of them is logged at DEBUG).
+    last_reject_warn: Option<Instant>,
 }
 
 impl Drop for Listener {
@@ -829,7 +831,7 @@ fn out_of_fds(e: &io::Error) -> bool {
 impl Listener {
     fn new(inner: Arc<NetInner>, rail: Arc<Rail>, dev: u16, sock: Socket, nonce: u64) -> Listener {
         let pending = std::collections::VecDeque::new();
-        Listener { inner, rail, dev, sock, nonce, pending, ext_held: 0, out_of_fds_since_warn: 0, last_warn: None }
+        Listener { inner, rail, dev, sock, nonce, pending, ext_held: 0, out_of_fds_since_warn: 0, last_warn: None, last_reject_warn: None }
     }
 
     fn max_age(&self) -> std::time::Duration {
@@ -910,12 +912,23 @@ impl Listener {
                 Err(why) => {
                     // One bad peer must not break the listener for the others.
                     let p = self.remove(i);
-                    let (counter, e) = match why {
-                        Refused::Rejected(e) => (&self.inner.handshakes.rejected, e),
-                        Refused::Closed(e) => (&self.inner.handshakes.peer_closed, e),
-                    };
-                    counter.fetch_add(1, Ordering::Relaxed);
-                    tracing::debug!(from = %p.from, "handshake dropped: {e}");
+                    match why {
+                        Refused::Rejected(e) => {
+                            self.inner.handshakes.rejected.fetch_add(1, Ordering::Relaxed);
+                            // A misconfigured peer (other backend, stale handle) is worth a warning; a
+                            // flood of bad HELLOs is not worth one each.
+                            if !matches!(self.last_reject_warn, Some(t) if t.elapsed() < ACCEPT_WARN_EVERY) {
+                                tracing::warn!(from = %p.from, "handshake refused: {e} (further ones within 10 s at DEBUG)");
+                                self.last_reject_warn = Some(Instant::now());
+                            } else {
+                                tracing::debug!(from = %p.from, "handshake refused: {e}");
+                            }
+                        }
+                        Refused::Closed(e) => {
+                            self.inner.handshakes.peer_closed.fetch_add(1, Ordering::Relaxed);
+                            tracing::debug!(from = %p.from, "handshake dropped: {e}");
+                        }
+                    }
                 }
             }
         }
