@@ -6,7 +6,8 @@
 //!   changes...). At most [`MAX_GROUPS`] entries; comms of further peers are folded into peer "other".
 //! - `comms`: the full statistics of the first [`LIST_FIRST`] and the last [`LIST_LAST`] closed comms,
 //!   each with at most [`MAX_PATHS_LISTED`] paths (those with the most trouble first, then the busiest;
-//!   `path_summary` always covers every path). Kept as compact JSON text (a few KB each).
+//!   `path_summary` always covers every path; on verbs, at most as many QPs in all). Kept as compact
+//!   JSON text (a few KB each, at most some tens of KB).
 //!
 //! The stats file therefore holds at most 64 comms of at most 64 paths and 256 summaries, a few MB at
 //! worst whatever the job does; a job with at most 64 comms sees every one of them in full.
@@ -195,14 +196,16 @@ impl ClosedComms {
         if let Value::Object(m) = &mut v {
             m.insert("conn".into(), c);
         }
-        // Verbs: one QP per path per rail; the first MAX_PATHS_LISTED of each rail are listed.
+        // Verbs: one QP per path per rail; the first few of each rail are listed, MAX_PATHS_LISTED
+        // in all (at least 4 per rail).
         if let Some(rails) = v.pointer_mut("/verbs/rails").and_then(Value::as_array_mut) {
+            let per_rail = (MAX_PATHS_LISTED / rails.len().max(1)).max(4);
             for r in rails {
                 if let Some(qps) = r.get_mut("qps").and_then(Value::as_array_mut) {
-                    if qps.len() > MAX_PATHS_LISTED {
+                    if qps.len() > per_rail {
                         let n = qps.len();
-                        qps.truncate(MAX_PATHS_LISTED);
-                        r["qps_listed"] = json!(format!("the first {MAX_PATHS_LISTED} of {n}"));
+                        qps.truncate(per_rail);
+                        r["qps_listed"] = json!(format!("the first {per_rail} of {n}"));
                     }
                 }
             }
@@ -380,6 +383,19 @@ mod tests {
         assert_eq!(cm["path_summary"]["paths"], 1024);
         assert_eq!(cm["path_summary"]["timeouts"], 3);
         assert!(cm["paths_listed"].as_str().unwrap().starts_with("64 of 1024"));
+    }
+
+    #[test]
+    fn verbs_qps_are_listed_within_the_same_bound() {
+        let mut c = ClosedComms::default();
+        let mut v = comm("p");
+        let qps: Vec<Value> = (0..1024).map(|i| json!({ "qpn": i })).collect();
+        v["verbs"] = json!({ "counters": { "fences": 2 }, "rails": [{ "qps": qps.clone() }, { "qps": qps }] });
+        c.record(v, &conn(4, 9));
+        let j = c.to_json();
+        let rails = j["comms"][0]["verbs"]["rails"].as_array().unwrap();
+        assert!(rails.iter().all(|r| r["qps"].as_array().unwrap().len() == MAX_PATHS_LISTED / 2));
+        assert_eq!(j["closed_summary"][0]["verbs"]["fences"], 2, "verbs counters are summed");
     }
 
     #[test]
