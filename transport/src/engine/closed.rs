@@ -3,14 +3,16 @@
 //!
 //! - `closed_summary`: one entry per (rail, peer, role) with every closed comm folded in (counts of
 //!   comms, bytes, packets, retransmissions, timeouts, drops by reason, RTT min/avg/max, path state
-//!   changes...). At most [`MAX_GROUPS`] entries; comms of further peers are folded into peer "other".
+//!   changes...). At most [`MAX_GROUPS`] entries; comms of further peers are folded into one entry per role
+//!   with rail and peer "other".
 //! - `comms`: the full statistics of the first [`LIST_FIRST`] and the last [`LIST_LAST`] closed comms,
 //!   each with at most [`MAX_PATHS_LISTED`] paths (those with the most trouble first, then the busiest;
 //!   `path_summary` always covers every path; on verbs, at most as many QPs in all). Kept as compact
 //!   JSON text (a few KB each, at most some tens of KB).
 //!
 //! The stats file therefore holds at most 64 comms of at most 64 paths and 256 summaries, a few MB at
-//! worst whatever the job does; a job with at most 64 comms sees every one of them in full.
+//! worst whatever the job does; a job with at most 64 comms sees every one of them (each with at most 64
+//! paths listed).
 
 use std::collections::{BTreeMap, VecDeque};
 
