@@ -337,9 +337,29 @@ def summarize_stats(docs: list) -> dict:
             sums[k] = sums.get(k, 0) + v
 
     for d in docs:
-        comms = d.get("comms") if isinstance(d, dict) else None
-        if not isinstance(comms, list):
+        if not isinstance(d, dict):
             continue
+        # Prism folds every closed comm into "closed_summary" (per rail, peer and role) and lists only the
+        # first and last few in "comms", each with at most 64 paths: the summary is the complete count.
+        groups = d.get("closed_summary")
+        if isinstance(groups, list):
+            for g in groups:
+                if not isinstance(g, dict):
+                    continue
+                add("wrong_peer_dropped", g.get("wrong_peer_dropped"))
+                conn = g.get("conn") if isinstance(g.get("conn"), dict) else {}
+                for k in CONN_COUNTERS:
+                    add(k, conn.get(k))
+                dropped = conn.get("dropped") if isinstance(conn.get("dropped"), dict) else {}
+                for v in dropped.values():
+                    add("bad_packets_dropped", v)
+                paths = g.get("paths") if isinstance(g.get("paths"), dict) else {}
+                add("path_state_changes", paths.get("state_changes"))
+                add("path_probes_sent", paths.get("probes_sent"))
+                add("paths_not_alive_at_close", paths.get("not_alive_at_close"))
+        comms = d.get("comms")
+        if isinstance(groups, list) or not isinstance(comms, list):
+            comms = []
         for c in comms:
             if not isinstance(c, dict):
                 continue

@@ -226,6 +226,21 @@ class Stats(unittest.TestCase):
         s = metrics.summarize_stats([self.doc(1, [])])
         self.assertEqual((s["bad_packets_dropped"], s["unknown_token_dropped"], s["wrong_peer_dropped"]), (3, 3, 1))
 
+    def test_the_closed_summary_counts_every_comm_even_those_not_listed(self):
+        # Prism lists only some comms (with at most 64 paths each) and folds all of them into
+        # closed_summary: the totals come from the summary, the listed comms are not counted twice.
+        d = self.doc(6, [(1, "dead")])
+        d["closed_summary"] = [
+            {"rail": "r0", "peer": "a", "role": "send", "comms": 90, "wrong_peer_dropped": 5,
+             "conn": {"retransmissions": 70, "dropped": {"bad_token": 4}},
+             "paths": {"state_changes": 12, "probes_sent": 3, "not_alive_at_close": 2}},
+            {"rail": "r0", "peer": "a", "role": "recv", "comms": 90, "conn": {"duplicates": 1}, "paths": {}},
+        ]
+        s = metrics.summarize_stats([d])
+        self.assertEqual((s["retransmissions"], s["duplicates"], s["wrong_peer_dropped"]), (70, 1, 5))
+        self.assertEqual((s["path_state_changes"], s["path_probes_sent"], s["paths_not_alive_at_close"]), (12, 3, 2))
+        self.assertEqual((s["bad_packets_dropped"], s["unknown_token_dropped"]), (4, 3))
+
     def test_an_unknown_shape_gives_no_numbers_rather_than_a_crash(self):
         self.assertEqual(metrics.summarize_stats([{"something": [1, 2]}, [], "x"]), {})
 

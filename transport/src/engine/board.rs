@@ -23,23 +23,45 @@ struct Entry {
     at_us: u64,
 }
 
+/// Entries kept before stale ones are first dropped (the bound then doubles with the live ones).
+const PRUNE_AT: usize = 64;
+
+#[derive(Debug, Default)]
+struct Entries {
+    map: HashMap<SocketAddrV4, Entry>,
+    /// Size at which stale entries are dropped next.
+    prune_at: usize,
+}
+
 /// Per peer rail address: which of our sockets a sending comm currently trusts.
 #[derive(Debug, Default)]
 pub(crate) struct PathBoard {
-    entries: Mutex<HashMap<SocketAddrV4, Entry>>,
+    entries: Mutex<Entries>,
 }
 
 impl PathBoard {
-    /// A sending comm's current view of its sockets towards `dest`.
+    /// A sending comm's current view of its sockets towards `dest`. Publications gone stale (their
+    /// comms closed: peers of a long job come and go) are dropped once the board has grown, so it
+    /// holds about as many entries as there are peers being sent to.
     pub fn publish(&self, dest: SocketAddrV4, good: Vec<bool>, now_us: u64) {
-        self.entries.lock().insert(dest, Entry { good, at_us: now_us });
+        let mut e = self.entries.lock();
+        e.map.insert(dest, Entry { good, at_us: now_us });
+        if e.map.len() >= e.prune_at.max(PRUNE_AT) {
+            e.map.retain(|_, x| now_us.saturating_sub(x.at_us) <= FRESH_US);
+            e.prune_at = 2 * e.map.len();
+        }
+    }
+
+    #[cfg(test)]
+    fn len(&self) -> usize {
+        self.entries.lock().map.len()
     }
 
     /// The socket a control packet for `dest` should leave from instead of `sock`, if a fresh
     /// publication says `sock` is not trusted and names one that is (the next one up, wrapping).
     pub fn steer(&self, dest: SocketAddrV4, sock: u16, now_us: u64) -> Option<u16> {
         let entries = self.entries.lock();
-        let e = entries.get(&dest)?;
+        let e = entries.map.get(&dest)?;
         if now_us.saturating_sub(e.at_us) > FRESH_US || e.good.get(sock as usize).copied().unwrap_or(true) {
             return None;
         }
@@ -68,5 +90,19 @@ mod tests {
         assert_eq!(b.steer(dest(), 1, 1_000 + FRESH_US + 1), None, "stale");
         b.publish(dest(), vec![false; 4], 3_000);
         assert_eq!(b.steer(dest(), 1, 3_000), None, "nothing trusted: keep the socket");
+    }
+
+    #[test]
+    fn publications_of_peers_long_gone_do_not_pile_up() {
+        let b = PathBoard::default();
+        for i in 0..10_000u32 {
+            // One new peer every 100 ms: at most 6 are fresh at any time.
+            let peer = SocketAddrV4::new(std::net::Ipv4Addr::from(0x0a00_0000 + i), 4000);
+            b.publish(peer, vec![true; 1024], u64::from(i) * 100_000);
+        }
+        assert!(b.len() <= PRUNE_AT, "{} entries kept", b.len());
+        let last = SocketAddrV4::new(std::net::Ipv4Addr::from(0x0a00_0000 + 9_999), 4000);
+        b.publish(last, vec![false, true], 999_900_000);
+        assert_eq!(b.steer(last, 0, 999_900_000), Some(1), "the fresh ones are still there");
     }
 }

@@ -443,7 +443,7 @@ impl CommCore {
         serde_json::json!({ "controller": rate.name(), "window_pkts": self.conn.window_pkts(), "state": rate.describe_state() })
     }
 
-    /// Final statistics of this comm.
+    /// Final statistics of this comm, but for its connection's (`record_stats` takes those apart).
     fn stats(&self) -> serde_json::Value {
         serde_json::json!({
             "role": self.role,
@@ -457,7 +457,6 @@ impl CommCore {
             "control_steered": self.steered,
             "backend": if self.verbs.is_some() { "verbs" } else { "udp" },
             "verbs": self.verbs.as_ref().map(VerbsComm::stats),
-            "conn": serde_json::to_value(self.conn.stats()).unwrap_or(serde_json::Value::Null),
         })
     }
 
@@ -474,7 +473,7 @@ impl CommCore {
         for rail in &self.net.rails {
             rail.unregister(self.token);
         }
-        self.net.record_stats(self.stats());
+        self.net.record_stats(self.stats(), self.conn.stats());
         self.sends.clear();
         self.recvs.clear();
         // Registrations go with the QPs (VerbsComm's drop releases what is still held).

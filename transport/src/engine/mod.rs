@@ -120,6 +120,7 @@ pub trait RecvBuf: Send {
 pub struct ReqId(pub u32);
 
 mod board;
+mod closed;
 mod comm;
 mod config;
 pub mod device;

@@ -77,7 +77,7 @@ pub(crate) struct NetInner {
     pub proto: ProtoConfig,
     start: Instant,
     pub rails: Vec<Arc<Rail>>,
-    closed: Mutex<Vec<serde_json::Value>>,
+    closed: Mutex<super::closed::ClosedComms>,
     seeds: AtomicU64,
     pub progress: Progress,
     /// Path knowledge shared by the comms that talk to the same peer rail.
@@ -92,9 +92,10 @@ impl NetInner {
         self.start.elapsed().as_micros() as u64
     }
 
-    /// Keep the final statistics of a closed comm for `stats_json`.
-    pub fn record_stats(&self, v: serde_json::Value) {
-        self.closed.lock().push(v);
+    /// Fold the final statistics of a closed comm (`v` without its connection's, `conn`) into the
+    /// bounded record `stats_json` reports (see `closed`).
+    pub fn record_stats(&self, v: serde_json::Value, conn: &crate::proto::ConnStats) {
+        self.closed.lock().record(v, conn);
     }
 
     /// A seed for one connection's random choices: reproducible under `PRISM_SEED`.
@@ -404,7 +405,7 @@ impl Net {
             proto,
             start: Instant::now(),
             rails,
-            closed: Mutex::new(Vec::new()),
+            closed: Mutex::new(Default::default()),
             seeds: AtomicU64::new(0),
             progress: Progress::default(),
             board: super::board::PathBoard::default(),
@@ -640,7 +641,8 @@ impl Net {
         Ok(Some(SendComm::new(self.inner.adopt(core))))
     }
 
-    /// Statistics of every comm closed so far plus per-rail counters, as JSON.
+    /// Per-rail counters and the statistics of the comms closed so far (bounded: every closed comm is
+    /// summed per rail, peer and role; the first and last few are listed in full), as JSON.
     pub fn stats_json(&self) -> serde_json::Value {
         let rails: Vec<_> = self
             .inner
@@ -658,13 +660,16 @@ impl Net {
                 })
             })
             .collect();
-        serde_json::json!({
+        let mut out = serde_json::json!({
             "backend": if self.inner.is_verbs() { "verbs" } else { "udp" },
             "config": { "transport": self.inner.cfg.describe(), "lb": self.inner.lb.describe() },
             "rails": rails,
-            "comms": *self.inner.closed.lock(),
             "handshakes": self.inner.handshakes.json(),
-        })
+        });
+        if let serde_json::Value::Object(m) = &mut out {
+            m.extend(self.inner.closed.lock().to_json());
+        }
+        out
     }
 }
 
