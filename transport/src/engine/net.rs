@@ -648,6 +648,7 @@ impl Net {
                     })),
                     "unknown_token_dropped": r.unknown_token.load(Ordering::Relaxed),
                     "runt_dropped": r.runt.load(Ordering::Relaxed),
+                    "wrong_port_dropped": r.wrong_port.load(Ordering::Relaxed),
                 })
             })
             .collect();
