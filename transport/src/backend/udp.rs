@@ -15,9 +15,10 @@
 use std::io::{self, IoSlice, IoSliceMut};
 use std::net::{Ipv4Addr, SocketAddrV4, UdpSocket};
 use std::os::fd::AsRawFd;
+use std::sync::atomic::{AtomicU32, Ordering};
 
 use nix::sys::epoll::{Epoll, EpollCreateFlags, EpollEvent, EpollFlags, EpollTimeout};
-use nix::sys::socket::{recvmmsg, sendmmsg, MsgFlags, MultiHeaders, SockaddrIn};
+use nix::sys::socket::{recvmmsg, sendmmsg, setsockopt, sockopt, ControlMessageOwned, MsgFlags, MultiHeaders, SockaddrIn};
 use socket2::{Domain, Protocol, Socket, Type};
 
 /// Most datagrams one `sendmmsg`/`recvmmsg` moves.
@@ -38,6 +39,18 @@ pub struct UdpRail {
     addr: Ipv4Addr,
     /// Sockets 1.. (send-only), readable when any of them has a datagram queued.
     strays: Epoll,
+    /// Per socket, the kernel's count of datagrams it dropped for want of buffer space, as last
+    /// reported (`SO_RXQ_OVFL`) by a datagram read from it.
+    overflow: Vec<AtomicU32>,
+}
+
+/// What [`UdpRail::drain_strays`] found on the send-only sockets.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct Strays {
+    /// Datagrams read and discarded.
+    pub read: u64,
+    /// Datagrams the kernel dropped since the last report because their socket's buffer was full.
+    pub overflowed: u64,
 }
 
 /// `rcv`: also size the receive buffer (socket 0); the send-only sockets get the smallest one.
@@ -80,12 +93,15 @@ impl UdpRail {
             s.bind(&SocketAddrV4::new(addr, 0).into())?;
             let u: UdpSocket = s.into();
             if i > 0 {
+                // Best effort: without it the kernel's drops on these sockets go uncounted.
+                let _ = setsockopt(&u, sockopt::RxqOvfl, &1);
                 strays.add(&u, EpollEvent::new(EpollFlags::EPOLLIN, u64::from(i)))?;
             }
             ports.push(u.local_addr()?.port());
             socks.push(u);
         }
-        Ok(Self { socks, ports, addr, strays })
+        let overflow = (0..socks.len()).map(|_| AtomicU32::new(0)).collect();
+        Ok(Self { socks, ports, addr, strays, overflow })
     }
 
     /// The port peers send to.
@@ -170,34 +186,51 @@ impl UdpRail {
     }
 
     /// Discard the datagrams queued on the send-only sockets (nobody sends to them legitimately) and
-    /// return how many there were. Costs one `epoll_wait` when none has any. Bounded: a socket is read
-    /// at most `STRAY_BATCHES` times per call, so a flood cannot hold the caller.
-    pub fn drain_strays(&self) -> io::Result<u64> {
+    /// say how many there were, and how many the kernel dropped on them. Costs one `epoll_wait` when
+    /// none has any. Bounded: a socket is read at most `STRAY_BATCHES` times per call, so a flood
+    /// cannot hold the caller.
+    pub fn drain_strays(&self) -> io::Result<Strays> {
         let mut events = [EpollEvent::empty(); BATCH];
-        let mut dropped = 0u64;
+        let mut out = Strays::default();
         let mut scratch: Vec<[u8; STRAY_PEEK]> = Vec::new();
         let ready = self.strays.wait(&mut events, EpollTimeout::ZERO)?;
         for ev in &events[..ready] {
-            let Some(sock) = self.socks.get(ev.data() as usize) else { continue };
+            let i = ev.data() as usize;
+            let Some(sock) = self.socks.get(i) else { continue };
+            let mut kernel_drops = 0u32;
             if scratch.is_empty() {
                 scratch = vec![[0u8; STRAY_PEEK]; BATCH];
             }
             for _ in 0..STRAY_BATCHES {
-                let mut hdrs = MultiHeaders::<SockaddrIn>::preallocate(BATCH, None);
+                let mut hdrs = MultiHeaders::<SockaddrIn>::preallocate(BATCH, Some(nix::cmsg_space!(u32)));
                 let mut iovs: Vec<[IoSliceMut<'_>; 1]> = scratch.iter_mut().map(|b| [IoSliceMut::new(&mut b[..])]).collect();
                 // A datagram longer than the scratch buffer is cut off (MSG_TRUNC) and consumed whole.
                 let n = match recvmmsg(sock.as_raw_fd(), &mut hdrs, iovs.iter_mut(), MsgFlags::MSG_DONTWAIT, None) {
-                    Ok(res) => res.count(),
+                    Ok(res) => {
+                        let mut n = 0;
+                        for r in res {
+                            n += 1;
+                            for c in r.cmsgs().into_iter().flatten() {
+                                if let ControlMessageOwned::RxqOvfl(d) = c {
+                                    kernel_drops = kernel_drops.max(d);
+                                }
+                            }
+                        }
+                        n
+                    }
                     Err(nix::errno::Errno::EAGAIN) => 0,
                     Err(e) => return Err(e.into()),
                 };
-                dropped += n as u64;
+                out.read += n as u64;
                 if n < BATCH {
                     break;
                 }
             }
+            // The kernel's counter only grows (it wraps at 2^32: counted modulo that).
+            let before = self.overflow[i].swap(kernel_drops.max(self.overflow[i].load(Ordering::Relaxed)), Ordering::Relaxed);
+            out.overflowed += u64::from(kernel_drops.saturating_sub(before));
         }
-        Ok(dropped)
+        Ok(out)
     }
 
     /// Number of sockets (entropies).
@@ -217,6 +250,36 @@ mod tests {
         ports.sort_unstable();
         ports.dedup();
         assert_eq!(ports.len(), 8);
+    }
+
+    #[test]
+    fn datagrams_at_a_send_only_port_are_discarded_and_counted() {
+        let rail = UdpRail::bind(Ipv4Addr::LOCALHOST, 4, 1 << 20).unwrap();
+        let stray = SocketAddrV4::new(Ipv4Addr::LOCALHOST, rail.ports()[2]);
+        let attacker = UdpSocket::bind((Ipv4Addr::LOCALHOST, 0)).unwrap();
+        assert_eq!(rail.drain_strays().unwrap(), Strays::default(), "nothing sent yet");
+        // More than the smallest buffer holds: the kernel drops some, and says so with the next one read.
+        for _ in 0..50 {
+            attacker.send_to(&[7u8; 1000], stray).unwrap();
+        }
+        let mut total = Strays::default();
+        let t0 = std::time::Instant::now();
+        while total.read + total.overflowed < 51 {
+            if total.read > 0 && total.read + total.overflowed < 51 {
+                attacker.send_to(&[8u8; 10], stray).unwrap();
+            }
+            let s = rail.drain_strays().unwrap();
+            total.read += s.read;
+            total.overflowed += s.overflowed;
+            assert!(t0.elapsed() < std::time::Duration::from_secs(5), "drained only {total:?}");
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        }
+        assert!(total.read >= 1 && total.read < 50, "the send-only socket's buffer is not small: {total:?}");
+        assert!(total.overflowed > 0, "{total:?}");
+        let mut bufs = vec![vec![0u8; 2048]; 4];
+        let mut got = Vec::new();
+        rail.recv(0, &mut bufs, &mut got).unwrap();
+        assert!(got.is_empty(), "the rail port received nothing");
     }
 
     #[test]
