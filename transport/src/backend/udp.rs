@@ -4,10 +4,12 @@
 //!
 //! The other sockets only send, but their ports are open to anything that can reach the host: a
 //! datagram sent to one would sit in its receive queue for as long as the socket lives (a flood at
-//! them once held 130–253 MB of kernel memory). So they get the smallest receive buffer the kernel
-//! allows (a few datagrams), sit in one epoll set per rail, and [`UdpRail::drain_strays`] discards
-//! (and counts) whatever reaches them; the set's descriptor ([`UdpRail::stray_fd`]) is readable while
-//! any of them is, so a thread sleeping in `poll` wakes for them too.
+//! them once held 130–253 MB of kernel memory). So each carries a drop-all socket filter (the kernel
+//! discards what arrives before charging it to any buffer, and counts it: [`UdpRail::send_only_drops`]).
+//! Should the filter be refused, they still cannot accumulate: they have the smallest receive buffer
+//! the kernel allows, sit in one epoll set per rail, and [`UdpRail::drain_strays`] discards (and
+//! counts) whatever reaches them; the set's descriptor ([`UdpRail::stray_fd`]) is readable while any
+//! of them is, so a thread sleeping in `poll` wakes for them too.
 //!
 //! Both directions are batched (`sendmmsg`/`recvmmsg`, through `nix`'s safe wrappers, so this file
 //! needs no `unsafe`).
@@ -15,10 +17,9 @@
 use std::io::{self, IoSlice, IoSliceMut};
 use std::net::{Ipv4Addr, SocketAddrV4, UdpSocket};
 use std::os::fd::AsRawFd;
-use std::sync::atomic::{AtomicU32, Ordering};
 
 use nix::sys::epoll::{Epoll, EpollCreateFlags, EpollEvent, EpollFlags, EpollTimeout};
-use nix::sys::socket::{recvmmsg, sendmmsg, setsockopt, sockopt, ControlMessageOwned, MsgFlags, MultiHeaders, SockaddrIn};
+use nix::sys::socket::{recvmmsg, sendmmsg, MsgFlags, MultiHeaders, SockaddrIn};
 use socket2::{Domain, Protocol, Socket, Type};
 
 /// Most datagrams one `sendmmsg`/`recvmmsg` moves.
@@ -39,19 +40,12 @@ pub struct UdpRail {
     addr: Ipv4Addr,
     /// Sockets 1.. (send-only), readable when any of them has a datagram queued.
     strays: Epoll,
-    /// Per socket, the kernel's count of datagrams it dropped for want of buffer space, as last
-    /// reported (`SO_RXQ_OVFL`) by a datagram read from it.
-    overflow: Vec<AtomicU32>,
 }
 
-/// What [`UdpRail::drain_strays`] found on the send-only sockets.
-#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
-pub struct Strays {
-    /// Datagrams read and discarded.
-    pub read: u64,
-    /// Datagrams the kernel dropped since the last report because their socket's buffer was full.
-    pub overflowed: u64,
-}
+/// A classic BPF program that accepts nothing: attached to the send-only sockets, the kernel drops
+/// every datagram addressed to them before charging it to any buffer (and counts it in the socket's
+/// `drops`, see [`UdpRail::send_only_drops`]).
+const DROP_ALL: [libc::sock_filter; 1] = [libc::sock_filter { code: (libc::BPF_RET | libc::BPF_K) as u16, jt: 0, jf: 0, k: 0 }];
 
 /// `rcv`: also size the receive buffer (socket 0); the send-only sockets get the smallest one.
 fn sockbuf(sock: &Socket, bytes: usize, rcv: bool) {
@@ -90,18 +84,21 @@ impl UdpRail {
             s.set_nonblocking(true)?;
             // Before the bind, so that no datagram can reach a large buffer in between.
             sockbuf(&s, sockbuf_bytes as usize, i == 0);
+            if i > 0 {
+                // Best effort: where it fails, the smallest buffer and `drain_strays` bound them.
+                if let Err(e) = s.attach_filter(&DROP_ALL) {
+                    tracing::debug!("cannot attach the drop-all filter to a send-only socket ({e}); it is drained instead");
+                }
+            }
             s.bind(&SocketAddrV4::new(addr, 0).into())?;
             let u: UdpSocket = s.into();
             if i > 0 {
-                // Best effort: without it the kernel's drops on these sockets go uncounted.
-                let _ = setsockopt(&u, sockopt::RxqOvfl, &1);
                 strays.add(&u, EpollEvent::new(EpollFlags::EPOLLIN, u64::from(i)))?;
             }
             ports.push(u.local_addr()?.port());
             socks.push(u);
         }
-        let overflow = (0..socks.len()).map(|_| AtomicU32::new(0)).collect();
-        Ok(Self { socks, ports, addr, strays, overflow })
+        Ok(Self { socks, ports, addr, strays })
     }
 
     /// The port peers send to.
@@ -189,48 +186,53 @@ impl UdpRail {
     /// say how many there were, and how many the kernel dropped on them. Costs one `epoll_wait` when
     /// none has any. Bounded: a socket is read at most `STRAY_BATCHES` times per call, so a flood
     /// cannot hold the caller.
-    pub fn drain_strays(&self) -> io::Result<Strays> {
+    pub fn drain_strays(&self) -> io::Result<u64> {
         let mut events = [EpollEvent::empty(); BATCH];
-        let mut out = Strays::default();
+        let mut read = 0u64;
         let mut scratch: Vec<[u8; STRAY_PEEK]> = Vec::new();
         let ready = self.strays.wait(&mut events, EpollTimeout::ZERO)?;
         for ev in &events[..ready] {
-            let i = ev.data() as usize;
-            let Some(sock) = self.socks.get(i) else { continue };
-            let mut kernel_drops = 0u32;
+            let Some(sock) = self.socks.get(ev.data() as usize) else { continue };
             if scratch.is_empty() {
                 scratch = vec![[0u8; STRAY_PEEK]; BATCH];
             }
             for _ in 0..STRAY_BATCHES {
-                let mut hdrs = MultiHeaders::<SockaddrIn>::preallocate(BATCH, Some(nix::cmsg_space!(u32)));
+                let mut hdrs = MultiHeaders::<SockaddrIn>::preallocate(BATCH, None);
                 let mut iovs: Vec<[IoSliceMut<'_>; 1]> = scratch.iter_mut().map(|b| [IoSliceMut::new(&mut b[..])]).collect();
                 // A datagram longer than the scratch buffer is cut off (MSG_TRUNC) and consumed whole.
                 let n = match recvmmsg(sock.as_raw_fd(), &mut hdrs, iovs.iter_mut(), MsgFlags::MSG_DONTWAIT, None) {
-                    Ok(res) => {
-                        let mut n = 0;
-                        for r in res {
-                            n += 1;
-                            for c in r.cmsgs().into_iter().flatten() {
-                                if let ControlMessageOwned::RxqOvfl(d) = c {
-                                    kernel_drops = kernel_drops.max(d);
-                                }
-                            }
-                        }
-                        n
-                    }
+                    Ok(res) => res.count(),
                     Err(nix::errno::Errno::EAGAIN) => 0,
                     Err(e) => return Err(e.into()),
                 };
-                out.read += n as u64;
+                read += n as u64;
                 if n < BATCH {
                     break;
                 }
             }
-            // The kernel's counter only grows (it wraps at 2^32: counted modulo that).
-            let before = self.overflow[i].swap(kernel_drops.max(self.overflow[i].load(Ordering::Relaxed)), Ordering::Relaxed);
-            out.overflowed += u64::from(kernel_drops.saturating_sub(before));
         }
-        Ok(out)
+        Ok(read)
+    }
+
+    /// Datagrams the kernel dropped on the send-only sockets (the drop-all filter, or a full buffer
+    /// where the filter could not be attached), from the `drops` column of `/proc/net/udp` (this
+    /// network namespace's sockets; an address and port name one socket). `None` without procfs.
+    /// Reads a file: for statistics, not for the data path.
+    pub fn send_only_drops(&self) -> Option<u64> {
+        let table = std::fs::read_to_string("/proc/net/udp").ok()?;
+        // procfs prints the address as the u32 in memory, in hex.
+        let addr = format!("{:08X}", u32::from_ne_bytes(self.addr.octets()));
+        let mut total = 0u64;
+        for line in table.lines().skip(1) {
+            let f: Vec<&str> = line.split_whitespace().collect();
+            let (Some(local), Some(drops)) = (f.get(1), f.last()) else { continue };
+            let Some((a, p)) = local.split_once(':') else { continue };
+            let Ok(port) = u16::from_str_radix(p, 16) else { continue };
+            if a.eq_ignore_ascii_case(&addr) && self.ports[1..].contains(&port) {
+                total += drops.parse::<u64>().unwrap_or(0);
+            }
+        }
+        Some(total)
     }
 
     /// Number of sockets (entropies).
@@ -253,29 +255,23 @@ mod tests {
     }
 
     #[test]
-    fn datagrams_at_a_send_only_port_are_discarded_and_counted() {
+    fn datagrams_at_a_send_only_port_are_dropped_by_the_kernel_and_counted() {
         let rail = UdpRail::bind(Ipv4Addr::LOCALHOST, 4, 1 << 20).unwrap();
         let stray = SocketAddrV4::new(Ipv4Addr::LOCALHOST, rail.ports()[2]);
         let attacker = UdpSocket::bind((Ipv4Addr::LOCALHOST, 0)).unwrap();
-        assert_eq!(rail.drain_strays().unwrap(), Strays::default(), "nothing sent yet");
-        // More than the smallest buffer holds: the kernel drops some, and says so with the next one read.
+        assert_eq!(rail.send_only_drops(), Some(0), "nothing sent yet");
         for _ in 0..50 {
             attacker.send_to(&[7u8; 1000], stray).unwrap();
         }
-        let mut total = Strays::default();
         let t0 = std::time::Instant::now();
-        while total.read + total.overflowed < 51 {
-            if total.read > 0 && total.read + total.overflowed < 51 {
-                attacker.send_to(&[8u8; 10], stray).unwrap();
-            }
-            let s = rail.drain_strays().unwrap();
-            total.read += s.read;
-            total.overflowed += s.overflowed;
-            assert!(t0.elapsed() < std::time::Duration::from_secs(5), "drained only {total:?}");
+        let mut read = 0;
+        while read + rail.send_only_drops().unwrap() < 50 {
+            read += rail.drain_strays().unwrap();
+            assert!(t0.elapsed() < std::time::Duration::from_secs(5), "only {read} read, {:?} dropped", rail.send_only_drops());
             std::thread::sleep(std::time::Duration::from_millis(1));
         }
-        assert!(total.read >= 1 && total.read < 50, "the send-only socket's buffer is not small: {total:?}");
-        assert!(total.overflowed > 0, "{total:?}");
+        assert_eq!(read, 0, "the drop-all filter let datagrams through");
+        assert_eq!(rail.send_only_drops(), Some(50));
         let mut bufs = vec![vec![0u8; 2048]; 4];
         let mut got = Vec::new();
         rail.recv(0, &mut bufs, &mut got).unwrap();

@@ -64,8 +64,6 @@ pub(crate) struct Rail {
     pub runt: AtomicU64,
     /// Datagrams that arrived on a send-only socket (peers send only to the rail port): discarded.
     pub wrong_port: AtomicU64,
-    /// Datagrams the kernel dropped on a send-only socket because its (smallest) buffer was full.
-    pub wrong_port_overflow: AtomicU64,
 }
 
 impl Rail {
@@ -85,7 +83,6 @@ impl Rail {
             unknown_token: AtomicU64::new(0),
             runt: AtomicU64::new(0),
             wrong_port: AtomicU64::new(0),
-            wrong_port_overflow: AtomicU64::new(0),
         }
     }
 
@@ -116,8 +113,7 @@ impl Rail {
         let Some(udp) = &self.udp else { return };
         match udp.drain_strays() {
             Ok(n) => {
-                self.wrong_port.fetch_add(n.read, Ordering::Relaxed);
-                self.wrong_port_overflow.fetch_add(n.overflowed, Ordering::Relaxed);
+                self.wrong_port.fetch_add(n, Ordering::Relaxed);
             }
             Err(e) => tracing::warn!(rail = %self.info.name, "draining the send-only sockets failed: {e}"),
         }
