@@ -1,6 +1,15 @@
 //! UDP backend: per rail, `paths` sockets bound to distinct source ports. The source port IS the path:
-//! ECMP switches hash the 5-tuple, so entropy `e` leaves from socket `e`. Every socket also receives;
-//! peers address their datagrams to socket 0 ("the rail port"), so one `recvmmsg` drains a rail.
+//! ECMP switches hash the 5-tuple, so entropy `e` leaves from socket `e`. Peers address their datagrams
+//! to socket 0 ("the rail port"), so one `recvmmsg` drains a rail's traffic.
+//!
+//! The other sockets only send, but their ports are open to anything that can reach the host: a
+//! datagram sent to one would sit in its receive queue for as long as the socket lives (a flood at
+//! them once held 130–253 MB of kernel memory). So each carries a drop-all socket filter (the kernel
+//! discards what arrives before charging it to any buffer, and counts it: [`UdpRail::send_only_drops`]).
+//! Should the filter be refused, they still cannot accumulate: they have the smallest receive buffer
+//! the kernel allows, sit in one epoll set per rail, and [`UdpRail::drain_strays`] discards (and
+//! counts) whatever reaches them; the set's descriptor ([`UdpRail::stray_fd`]) is readable while any
+//! of them is, so a thread sleeping in `poll` wakes for them too.
 //!
 //! Both directions are batched (`sendmmsg`/`recvmmsg`, through `nix`'s safe wrappers, so this file
 //! needs no `unsafe`).
@@ -9,11 +18,19 @@ use std::io::{self, IoSlice, IoSliceMut};
 use std::net::{Ipv4Addr, SocketAddrV4, UdpSocket};
 use std::os::fd::AsRawFd;
 
+use nix::sys::epoll::{Epoll, EpollCreateFlags, EpollEvent, EpollFlags, EpollTimeout};
 use nix::sys::socket::{recvmmsg, sendmmsg, MsgFlags, MultiHeaders, SockaddrIn};
 use socket2::{Domain, Protocol, Socket, Type};
 
 /// Most datagrams one `sendmmsg`/`recvmmsg` moves.
 pub const BATCH: usize = 64;
+
+/// Bytes of a stray datagram read by [`UdpRail::drain_strays`]: it is discarded, so the rest is cut off.
+const STRAY_PEEK: usize = 64;
+
+/// Most `recvmmsg` batches one [`UdpRail::drain_strays`] reads from one socket (its receive buffer
+/// holds a few datagrams, so one batch normally empties it).
+const STRAY_BATCHES: usize = 4;
 
 /// The sockets of one rail.
 #[derive(Debug)]
@@ -21,11 +38,22 @@ pub struct UdpRail {
     socks: Vec<UdpSocket>,
     ports: Vec<u16>,
     addr: Ipv4Addr,
+    /// Sockets 1.. (send-only), readable when any of them has a datagram queued.
+    strays: Epoll,
 }
 
-fn sockbuf(sock: &Socket, bytes: usize) {
+/// A classic BPF program that accepts nothing: attached to the send-only sockets, the kernel drops
+/// every datagram addressed to them before charging it to any buffer (and counts it in the socket's
+/// `drops`, see [`UdpRail::send_only_drops`]).
+const DROP_ALL: [libc::sock_filter; 1] = [libc::sock_filter { code: (libc::BPF_RET | libc::BPF_K) as u16, jt: 0, jf: 0, k: 0 }];
+
+/// `rcv`: also size the receive buffer (socket 0); the send-only sockets get the smallest one.
+fn sockbuf(sock: &Socket, bytes: usize, rcv: bool) {
     // Root may exceed net.core.[rw]mem_max (SO_*BUFFORCE); everybody else gets the sysctl's cap.
-    if sock.set_recv_buffer_size(bytes).is_err() || sock.recv_buffer_size().unwrap_or(0) < bytes {
+    if !rcv {
+        // The kernel raises 0 to its minimum (SOCK_MIN_RCVBUF, a few KiB).
+        let _ = sock.set_recv_buffer_size(0);
+    } else if sock.set_recv_buffer_size(bytes).is_err() || sock.recv_buffer_size().unwrap_or(0) < bytes {
         let _ = force_buf(sock, libc::SO_RCVBUFFORCE, bytes);
     }
     if sock.set_send_buffer_size(bytes).is_err() || sock.send_buffer_size().unwrap_or(0) < bytes {
@@ -44,20 +72,33 @@ fn force_buf(sock: &Socket, opt: libc::c_int, bytes: usize) -> nix::Result<()> {
 }
 
 impl UdpRail {
-    /// Bind `paths` non-blocking sockets on `addr`, each on its own ephemeral port.
+    /// Bind `paths` non-blocking sockets on `addr`, each on its own ephemeral port. Socket 0 (the rail
+    /// port) gets `sockbuf_bytes` of receive buffer; the others receive nothing legitimate and get the
+    /// kernel's smallest (see the module comment).
     pub fn bind(addr: Ipv4Addr, paths: u16, sockbuf_bytes: u32) -> io::Result<Self> {
         let mut socks = Vec::with_capacity(paths as usize);
         let mut ports = Vec::with_capacity(paths as usize);
-        for _ in 0..paths.max(1) {
+        let strays = Epoll::new(EpollCreateFlags::EPOLL_CLOEXEC)?;
+        for i in 0..paths.max(1) {
             let s = Socket::new(Domain::IPV4, Type::DGRAM, Some(Protocol::UDP))?;
             s.set_nonblocking(true)?;
+            // Before the bind, so that no datagram can reach a large buffer in between.
+            sockbuf(&s, sockbuf_bytes as usize, i == 0);
+            if i > 0 {
+                // Best effort: where it fails, the smallest buffer and `drain_strays` bound them.
+                if let Err(e) = s.attach_filter(&DROP_ALL) {
+                    tracing::debug!("cannot attach the drop-all filter to a send-only socket ({e}); it is drained instead");
+                }
+            }
             s.bind(&SocketAddrV4::new(addr, 0).into())?;
-            sockbuf(&s, sockbuf_bytes as usize);
             let u: UdpSocket = s.into();
+            if i > 0 {
+                strays.add(&u, EpollEvent::new(EpollFlags::EPOLLIN, u64::from(i)))?;
+            }
             ports.push(u.local_addr()?.port());
             socks.push(u);
         }
-        Ok(Self { socks, ports, addr })
+        Ok(Self { socks, ports, addr, strays })
     }
 
     /// The port peers send to.
@@ -135,6 +176,65 @@ impl UdpRail {
         self.socks[0].as_fd()
     }
 
+    /// Readable while a send-only socket has a datagram queued (see [`UdpRail::drain_strays`]).
+    pub fn stray_fd(&self) -> std::os::fd::BorrowedFd<'_> {
+        use std::os::fd::AsFd;
+        self.strays.0.as_fd()
+    }
+
+    /// Discard the datagrams queued on the send-only sockets (nobody sends to them legitimately) and
+    /// say how many there were, and how many the kernel dropped on them. Costs one `epoll_wait` when
+    /// none has any. Bounded: a socket is read at most `STRAY_BATCHES` times per call, so a flood
+    /// cannot hold the caller.
+    pub fn drain_strays(&self) -> io::Result<u64> {
+        let mut events = [EpollEvent::empty(); BATCH];
+        let mut read = 0u64;
+        let mut scratch: Vec<[u8; STRAY_PEEK]> = Vec::new();
+        let ready = self.strays.wait(&mut events, EpollTimeout::ZERO)?;
+        for ev in &events[..ready] {
+            let Some(sock) = self.socks.get(ev.data() as usize) else { continue };
+            if scratch.is_empty() {
+                scratch = vec![[0u8; STRAY_PEEK]; BATCH];
+            }
+            for _ in 0..STRAY_BATCHES {
+                let mut hdrs = MultiHeaders::<SockaddrIn>::preallocate(BATCH, None);
+                let mut iovs: Vec<[IoSliceMut<'_>; 1]> = scratch.iter_mut().map(|b| [IoSliceMut::new(&mut b[..])]).collect();
+                // A datagram longer than the scratch buffer is cut off (MSG_TRUNC) and consumed whole.
+                let n = match recvmmsg(sock.as_raw_fd(), &mut hdrs, iovs.iter_mut(), MsgFlags::MSG_DONTWAIT, None) {
+                    Ok(res) => res.count(),
+                    Err(nix::errno::Errno::EAGAIN) => 0,
+                    Err(e) => return Err(e.into()),
+                };
+                read += n as u64;
+                if n < BATCH {
+                    break;
+                }
+            }
+        }
+        Ok(read)
+    }
+
+    /// Datagrams the kernel dropped on the send-only sockets (the drop-all filter, or a full buffer
+    /// where the filter could not be attached), from the `drops` column of `/proc/net/udp` (this
+    /// network namespace's sockets; an address and port name one socket). `None` without procfs.
+    /// Reads a file: for statistics, not for the data path.
+    pub fn send_only_drops(&self) -> Option<u64> {
+        let table = std::fs::read_to_string("/proc/net/udp").ok()?;
+        // procfs prints the address as the u32 in memory, in hex.
+        let addr = format!("{:08X}", u32::from_ne_bytes(self.addr.octets()));
+        let mut total = 0u64;
+        for line in table.lines().skip(1) {
+            let f: Vec<&str> = line.split_whitespace().collect();
+            let (Some(local), Some(drops)) = (f.get(1), f.last()) else { continue };
+            let Some((a, p)) = local.split_once(':') else { continue };
+            let Ok(port) = u16::from_str_radix(p, 16) else { continue };
+            if a.eq_ignore_ascii_case(&addr) && self.ports[1..].contains(&port) {
+                total += drops.parse::<u64>().unwrap_or(0);
+            }
+        }
+        Some(total)
+    }
+
     /// Number of sockets (entropies).
     pub fn paths(&self) -> usize {
         self.socks.len()
@@ -152,6 +252,30 @@ mod tests {
         ports.sort_unstable();
         ports.dedup();
         assert_eq!(ports.len(), 8);
+    }
+
+    #[test]
+    fn datagrams_at_a_send_only_port_are_dropped_by_the_kernel_and_counted() {
+        let rail = UdpRail::bind(Ipv4Addr::LOCALHOST, 4, 1 << 20).unwrap();
+        let stray = SocketAddrV4::new(Ipv4Addr::LOCALHOST, rail.ports()[2]);
+        let attacker = UdpSocket::bind((Ipv4Addr::LOCALHOST, 0)).unwrap();
+        assert_eq!(rail.send_only_drops(), Some(0), "nothing sent yet");
+        for _ in 0..50 {
+            attacker.send_to(&[7u8; 1000], stray).unwrap();
+        }
+        let t0 = std::time::Instant::now();
+        let mut read = 0;
+        while read + rail.send_only_drops().unwrap() < 50 {
+            read += rail.drain_strays().unwrap();
+            assert!(t0.elapsed() < std::time::Duration::from_secs(5), "only {read} read, {:?} dropped", rail.send_only_drops());
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        }
+        assert_eq!(read, 0, "the drop-all filter let datagrams through");
+        assert_eq!(rail.send_only_drops(), Some(50));
+        let mut bufs = vec![vec![0u8; 2048]; 4];
+        let mut got = Vec::new();
+        rail.recv(0, &mut bufs, &mut got).unwrap();
+        assert!(got.is_empty(), "the rail port received nothing");
     }
 
     #[test]

@@ -657,6 +657,8 @@ impl Net {
                     })),
                     "unknown_token_dropped": r.unknown_token.load(Ordering::Relaxed),
                     "runt_dropped": r.runt.load(Ordering::Relaxed),
+                    "wrong_port_dropped": r.wrong_port.load(Ordering::Relaxed),
+                    "wrong_port_kernel_dropped": r.udp.as_ref().and_then(UdpRail::send_only_drops),
                 })
             })
             .collect();

@@ -205,11 +205,22 @@ fn run(net: Weak<NetInner>, stop: Arc<AtomicBool>) {
             std::thread::sleep(std::time::Duration::from_micros(sleep_us.min(100)));
             continue;
         }
-        // Wake early when any rail has datagrams.
-        let mut fds: Vec<PollFd<'_>> =
-            net.rails.iter().filter_map(|r| r.udp.as_ref()).map(|u| PollFd::new(u.rx_fd(), PollFlags::POLLIN)).collect();
+        // Wake early when any rail has datagrams, on its rail port or on a send-only socket (those
+        // are discarded here: nobody else reads them while every comm is idle).
+        let udp_rails: Vec<_> = net.rails.iter().filter(|r| r.udp.is_some()).collect();
+        let mut fds: Vec<PollFd<'_>> = udp_rails
+            .iter()
+            .filter_map(|r| r.udp.as_ref())
+            .flat_map(|u| [PollFd::new(u.rx_fd(), PollFlags::POLLIN), PollFd::new(u.stray_fd(), PollFlags::POLLIN)])
+            .collect();
         let ts = TimeSpec::from_duration(std::time::Duration::from_micros(sleep_us));
-        let _ = nix::poll::ppoll(&mut fds, Some(ts), None);
+        if nix::poll::ppoll(&mut fds, Some(ts), None).is_ok_and(|n| n > 0) {
+            for (rail, pair) in udp_rails.iter().zip(fds.chunks(2)) {
+                if pair[1].revents().is_some_and(|r| r.contains(PollFlags::POLLIN)) {
+                    rail.drain_strays();
+                }
+            }
+        }
     }
 }
 

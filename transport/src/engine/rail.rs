@@ -34,9 +34,14 @@ impl Inbox {
     }
 }
 
+/// `poll_rx` also drains the rail's send-only sockets every this many calls (one `epoll_wait` when
+/// they are empty; the progress thread drains them as soon as they are readable).
+const STRAY_EVERY: u32 = 16;
+
 struct RxState {
     bufs: Vec<Vec<u8>>,
     got: Vec<(usize, SocketAddrV4)>,
+    polls: u32,
 }
 
 /// A rail: device description, sockets, demux table, recycled buffers.
@@ -57,6 +62,8 @@ pub(crate) struct Rail {
     pub unknown_token: AtomicU64,
     /// Datagrams too short to carry a token.
     pub runt: AtomicU64,
+    /// Datagrams that arrived on a send-only socket (peers send only to the rail port): discarded.
+    pub wrong_port: AtomicU64,
 }
 
 impl Rail {
@@ -70,11 +77,12 @@ impl Rail {
             verbs,
             addr,
             max_datagram,
-            rx: Mutex::new(RxState { bufs, got: Vec::with_capacity(BATCH) }),
+            rx: Mutex::new(RxState { bufs, got: Vec::with_capacity(BATCH), polls: 0 }),
             routes: RwLock::new(HashMap::new()),
             spare: Mutex::new(Vec::new()),
             unknown_token: AtomicU64::new(0),
             runt: AtomicU64::new(0),
+            wrong_port: AtomicU64::new(0),
         }
     }
 
@@ -100,12 +108,28 @@ impl Rail {
         spare.extend(bufs.take(room));
     }
 
-    /// Drain the rail's socket into the inboxes. Returns without waiting when another thread is
-    /// already draining (it delivers our datagrams too).
+    /// Discard (and count) what reached the rail's send-only sockets.
+    pub fn drain_strays(&self) {
+        let Some(udp) = &self.udp else { return };
+        match udp.drain_strays() {
+            Ok(n) => {
+                self.wrong_port.fetch_add(n, Ordering::Relaxed);
+            }
+            Err(e) => tracing::warn!(rail = %self.info.name, "draining the send-only sockets failed: {e}"),
+        }
+    }
+
+    /// Drain the rail's socket into the inboxes (and, every `STRAY_EVERY` calls, its send-only
+    /// sockets). Returns without waiting when another thread is already draining (it delivers our
+    /// datagrams too).
     pub fn poll_rx(&self) {
         let Some(udp) = &self.udp else { return };
         let Some(mut rx) = self.rx.try_lock() else { return };
-        let RxState { bufs, got } = &mut *rx;
+        let RxState { bufs, got, polls } = &mut *rx;
+        *polls = polls.wrapping_add(1);
+        if *polls % STRAY_EVERY == 0 {
+            self.drain_strays();
+        }
         // Bounded so that one test() call cannot be held hostage by a flood.
         for _ in 0..16 {
             if let Err(e) = udp.recv(0, bufs, got) {
