@@ -486,6 +486,10 @@ impl Net {
     pub fn connect(&self, dev: usize, handle: &mut [u8; HANDLE_LEN]) -> Result<Option<SendComm>, TransportError> {
         let key = u64::from_be_bytes(handle[STAGE_OFF..STAGE_OFF + 8].try_into().expect("8 bytes"));
         let mut pending = self.pending.lock();
+        // A connect whose caller stopped calling (NCCL gave up on it) would keep its socket and QPs
+        // until the engine goes: one past twice the connect timeout is nobody's any more.
+        let abandoned = std::time::Duration::from_millis(self.inner.cfg.connect_timeout_ms.saturating_mul(2));
+        pending.retain(|&k, pc| k == key || pc.started.elapsed() <= abandoned);
         if key == 0 || !pending.contains_key(&key) {
             let target = parse_handle(handle)?;
             let rail = self.rail(dev)?;
