@@ -3,65 +3,19 @@
 //! summaries of closed comms stay for `PRISM_STATS`. One test in its own file (its own process), so
 //! that no other test's allocations move the RSS it measures.
 
-use std::collections::BTreeMap;
-use std::sync::{Arc, Mutex};
+mod common;
+
 use std::time::{Duration, Instant};
 
-use prism_transport::engine::{Net, RecvBuf, RecvComm, SendBuf, SendComm, TransportConfig, HANDLE_LEN};
-
-struct VecSend(Vec<u8>);
-impl SendBuf for VecSend {
-    fn len(&self) -> usize {
-        self.0.len()
-    }
-    fn read(&self, offset: usize, out: &mut [u8]) {
-        out.copy_from_slice(&self.0[offset..offset + out.len()]);
-    }
-}
-
-#[derive(Clone)]
-struct SharedRecv(Arc<Mutex<Vec<u8>>>);
-impl RecvBuf for SharedRecv {
-    fn len(&self) -> usize {
-        self.0.lock().unwrap().len()
-    }
-    fn write(&mut self, offset: usize, data: &[u8]) {
-        self.0.lock().unwrap()[offset..offset + data.len()].copy_from_slice(data);
-    }
-}
-
-fn net(paths: u32) -> Net {
-    let vars: BTreeMap<String, String> =
-        [("PRISM_IFNAMES", "lo".to_string()), ("PRISM_SEED", "42".into()), ("PRISM_PATHS", paths.to_string())]
-            .iter()
-            .map(|(k, v)| (k.to_string(), v.clone()))
-            .collect();
-    Net::new(TransportConfig::from_vars(&vars).unwrap(), prism_lb::LbConfig::default()).unwrap()
-}
-
-fn pair(net: &Net) -> (SendComm, RecvComm) {
-    let mut handle = [0u8; HANDLE_LEN];
-    let mut lis = net.listen(0, &mut handle).unwrap();
-    let (mut s, mut r) = (None, None);
-    let t0 = Instant::now();
-    while s.is_none() || r.is_none() {
-        if s.is_none() {
-            s = net.connect(0, &mut handle).unwrap();
-        }
-        if r.is_none() {
-            r = lis.accept().unwrap();
-        }
-        assert!(t0.elapsed() < Duration::from_secs(10), "handshake did not finish");
-    }
-    (s.unwrap(), r.unwrap())
-}
+use common::{net, pair, SharedRecv, VecSend};
+use prism_transport::engine::{Net, RecvBuf, RecvComm, SendComm};
 
 /// One message from `s` to `r`, checked.
 fn one_message(s: &mut SendComm, r: &mut RecvComm, seed: u8) {
     let data: Vec<u8> = (0..1000u32).map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed)).collect();
-    let buf = SharedRecv(Arc::new(Mutex::new(vec![0u8; 4096])));
+    let buf = SharedRecv::filled(4096, 0);
     let rq = r.irecv(vec![(Box::new(buf.clone()) as Box<dyn RecvBuf>, 0)]).unwrap().expect("room for the receive");
-    let sq = s.isend(Box::new(VecSend(data.clone())), 0).unwrap().expect("room for the send");
+    let sq = s.isend(Box::new(VecSend::new(data.clone())), 0).unwrap().expect("room for the send");
     let (mut sdone, mut rdone) = (false, false);
     let t0 = Instant::now();
     while !(sdone && rdone) {
@@ -102,7 +56,7 @@ fn fds() -> usize {
 
 /// Warm up, then `pairs` more; returns the RSS growth (KB) over them. Checks fds come back.
 fn measure(paths: u32, warmup: usize, pairs: usize) -> (i64, serde_json::Value) {
-    let net = net(paths);
+    let net = net(&[("PRISM_SEED", "42"), ("PRISM_PATHS", &paths.to_string())]);
     churn(&net, warmup);
     let (rss0, fd0) = (rss_kb(), fds());
     let t0 = Instant::now();

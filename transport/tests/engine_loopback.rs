@@ -1,60 +1,17 @@
 //! The engine end to end over loopback UDP in one process: handshake, sizes, grouped receives,
 //! truncation, many requests in flight, a peer that vanishes.
 
+mod common;
+
 use std::collections::BTreeMap;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use prism_transport::engine::{Net, RecvBuf, RecvComm, SendBuf, SendComm, TransportConfig, TransportError, HANDLE_LEN};
-
-struct VecSend(Arc<Vec<u8>>);
-impl SendBuf for VecSend {
-    fn len(&self) -> usize {
-        self.0.len()
-    }
-    fn read(&self, offset: usize, out: &mut [u8]) {
-        out.copy_from_slice(&self.0[offset..offset + out.len()]);
-    }
-}
-
-#[derive(Clone)]
-struct SharedRecv(Arc<Mutex<Vec<u8>>>, usize);
-impl RecvBuf for SharedRecv {
-    fn len(&self) -> usize {
-        self.1
-    }
-    fn write(&mut self, offset: usize, data: &[u8]) {
-        assert!(offset + data.len() <= self.1, "write past the posted size");
-        self.0.lock().unwrap()[offset..offset + data.len()].copy_from_slice(data);
-    }
-}
+use common::{pair, SharedRecv, VecSend};
+use prism_transport::engine::{Net, RecvBuf, RecvComm, SendComm, TransportConfig, TransportError, HANDLE_LEN};
 
 fn pattern(seed: u64, len: usize) -> Vec<u8> {
     (0..len).map(|i| ((i as u64).wrapping_mul(2654435761).wrapping_add(seed * 97) >> 7) as u8).collect()
-}
-
-fn net(extra: &[(&str, &str)]) -> Net {
-    let mut vars: BTreeMap<String, String> =
-        [("PRISM_IFNAMES", "lo"), ("PRISM_SEED", "42")].iter().chain(extra).map(|(k, v)| (k.to_string(), v.to_string())).collect();
-    vars.entry("PRISM_PATHS".into()).or_insert_with(|| "8".into());
-    Net::new(TransportConfig::from_vars(&vars).unwrap(), prism_lb::LbConfig::default()).unwrap()
-}
-
-fn pair(net: &Net) -> (SendComm, RecvComm) {
-    let mut handle = [0u8; HANDLE_LEN];
-    let mut lis = net.listen(0, &mut handle).unwrap();
-    let (mut s, mut r) = (None, None);
-    let t0 = Instant::now();
-    while s.is_none() || r.is_none() {
-        if s.is_none() {
-            s = net.connect(0, &mut handle).unwrap();
-        }
-        if r.is_none() {
-            r = lis.accept().unwrap();
-        }
-        assert!(t0.elapsed() < Duration::from_secs(10), "handshake did not finish");
-    }
-    (s.unwrap(), r.unwrap())
 }
 
 /// One grouped receive's outcome (its sizes, or the error) and the bytes of its buffers.
@@ -67,8 +24,7 @@ fn run(
     sends: Vec<(Vec<u8>, i32)>,
     recvs: Vec<Vec<(usize, i32)>>,
 ) -> (Vec<Result<usize, String>>, Vec<RecvOutcome>) {
-    let rbufs: Vec<Vec<SharedRecv>> =
-        recvs.iter().map(|g| g.iter().map(|&(n, _)| SharedRecv(Arc::new(Mutex::new(vec![0xEE; n])), n)).collect()).collect();
+    let rbufs: Vec<Vec<SharedRecv>> = recvs.iter().map(|g| g.iter().map(|&(n, _)| SharedRecv::filled(n, 0xEE)).collect()).collect();
     let mut rreqs = Vec::new();
     for (g, bufs) in recvs.iter().zip(&rbufs) {
         let items: Vec<(Box<dyn RecvBuf>, i32)> =
@@ -295,4 +251,10 @@ fn single_rail_policy_keeps_everything_on_the_home_rail() {
     let stats = net.stats_json();
     let send = stats["comms"].as_array().unwrap().iter().find(|c| c["role"] == "send").unwrap();
     assert_eq!(send["planned_bytes_per_rail"], serde_json::json!([1 << 20, 0]));
+}
+
+/// Loopback, `PRISM_SEED=42`, `PRISM_PATHS=8` unless `extra` sets it, and `extra`.
+fn net(extra: &[(&str, &str)]) -> Net {
+    let vars: Vec<(&str, &str)> = [("PRISM_SEED", "42"), ("PRISM_PATHS", "8")].into_iter().chain(extra.iter().copied()).collect();
+    common::net(&vars)
 }

@@ -4,60 +4,19 @@
 //! against the send NCCL's rule puts there (per tag, the k-th send fills the k-th buffer of that tag in
 //! posting order). Also: a post on a comm whose peer closed is accepted and fails in `test`.
 
+mod common;
+
 use std::collections::{BTreeMap, VecDeque};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use prism_transport::engine::{Net, RecvBuf, RecvComm, ReqId, SendBuf, SendComm, TransportConfig, HANDLE_LEN};
-
-struct VecSend(Arc<Vec<u8>>);
-impl SendBuf for VecSend {
-    fn len(&self) -> usize {
-        self.0.len()
-    }
-    fn read(&self, offset: usize, out: &mut [u8]) {
-        out.copy_from_slice(&self.0[offset..offset + out.len()]);
-    }
-}
-
-#[derive(Clone)]
-struct SharedRecv(Arc<Mutex<Vec<u8>>>);
-impl RecvBuf for SharedRecv {
-    fn len(&self) -> usize {
-        self.0.lock().unwrap().len()
-    }
-    fn write(&mut self, offset: usize, data: &[u8]) {
-        self.0.lock().unwrap()[offset..offset + data.len()].copy_from_slice(data);
-    }
-}
+use common::{pair, SharedRecv, VecSend};
+use prism_transport::engine::{Net, RecvBuf, ReqId};
 
 /// Content of send `k`: its own length and bytes.
 fn payload(k: usize) -> Vec<u8> {
     let len = 1000 + 37 * k;
     (0..len).map(|i| ((i as u64).wrapping_mul(2654435761) >> 7) as u8 ^ (k as u8).wrapping_mul(31)).collect()
-}
-
-fn net() -> Net {
-    let vars: BTreeMap<String, String> =
-        [("PRISM_IFNAMES", "lo"), ("PRISM_SEED", "42"), ("PRISM_PATHS", "8")].iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
-    Net::new(TransportConfig::from_vars(&vars).unwrap(), prism_lb::LbConfig::default()).unwrap()
-}
-
-fn pair(net: &Net) -> (SendComm, RecvComm) {
-    let mut handle = [0u8; HANDLE_LEN];
-    let mut lis = net.listen(0, &mut handle).unwrap();
-    let (mut s, mut r) = (None, None);
-    let t0 = Instant::now();
-    while s.is_none() || r.is_none() {
-        if s.is_none() {
-            s = net.connect(0, &mut handle).unwrap();
-        }
-        if r.is_none() {
-            r = lis.accept().unwrap();
-        }
-        assert!(t0.elapsed() < Duration::from_secs(10), "handshake did not finish");
-    }
-    (s.unwrap(), r.unwrap())
 }
 
 /// Post `groups` (buffer tags) on the receiver and `sends` (tags) on the sender, interleaved, with
@@ -75,10 +34,8 @@ fn run(net: &Net, groups: &[Vec<i32>], sends: &[i32], sends_first: bool) -> (usi
         groups.iter().map(|g| g.iter().map(|t| by_tag.get_mut(t).unwrap().pop_front().expect("a send per buffer")).collect()).collect();
     let payloads: Vec<Arc<Vec<u8>>> = (0..sends.len()).map(|k| Arc::new(payload(k))).collect();
     // Buffers a little larger than their sends, filled with a marker.
-    let rbufs: Vec<Vec<SharedRecv>> = expected
-        .iter()
-        .map(|g| g.iter().map(|&k| SharedRecv(Arc::new(Mutex::new(vec![0xEE; payloads[k].len() + 16])))).collect())
-        .collect();
+    let rbufs: Vec<Vec<SharedRecv>> =
+        expected.iter().map(|g| g.iter().map(|&k| SharedRecv::filled(payloads[k].len() + 16, 0xEE)).collect()).collect();
     let (mut next_send, mut next_recv, mut retries) = (0, 0, (0, 0));
     let mut sreqs: Vec<(usize, ReqId)> = Vec::new();
     let mut rreqs: Vec<(usize, ReqId)> = Vec::new();
@@ -186,7 +143,7 @@ fn posts_after_the_peer_closed_are_accepted_and_fail_in_test() {
     let t0 = Instant::now();
     let mut failed = 0;
     while failed < 3 {
-        let id = s.isend(Box::new(VecSend(Arc::new(vec![1; 100]))), 0).expect("a post after the peer closed is accepted");
+        let id = s.isend(Box::new(VecSend::new(vec![1; 100])), 0).expect("a post after the peer closed is accepted");
         let id = id.expect("a request, not 'retry later'");
         loop {
             match s.test(id) {
@@ -204,7 +161,7 @@ fn posts_after_the_peer_closed_are_accepted_and_fail_in_test() {
     let (s2, mut r2) = pair(&net);
     drop(s2);
     let t0 = Instant::now();
-    let buf = SharedRecv(Arc::new(Mutex::new(vec![0xEE; 64])));
+    let buf = SharedRecv::filled(64, 0xEE);
     for _ in 0..3 {
         let id = r2.irecv(vec![(Box::new(buf.clone()) as Box<dyn RecvBuf>, 0)]).expect("accepted").expect("a request");
         loop {
@@ -220,4 +177,8 @@ fn posts_after_the_peer_closed_are_accepted_and_fail_in_test() {
         }
     }
     assert!(buf.0.lock().unwrap().iter().all(|&b| b == 0xEE), "a failed receive wrote its buffer");
+}
+
+fn net() -> Net {
+    common::net(&[("PRISM_SEED", "42"), ("PRISM_PATHS", "8")])
 }

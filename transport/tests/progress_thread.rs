@@ -2,11 +2,13 @@
 //! gone from `/proc/self/task` the moment the last comm's close returns (NCCL may dlclose the plugin
 //! right after), however often comms come and go and from however many threads.
 
-use std::collections::BTreeMap;
+mod common;
+
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use prism_transport::engine::{Net, RecvBuf, RecvComm, SendBuf, SendComm, TransportConfig, HANDLE_LEN};
+use common::{pair, SharedRecv, VecSend};
+use prism_transport::engine::{Net, RecvBuf, RecvComm, SendComm};
 
 /// The tests count threads of the whole process by name: one at a time.
 static SERIAL: Mutex<()> = Mutex::new(());
@@ -35,54 +37,11 @@ fn progress_thread_appears() -> bool {
     true
 }
 
-fn net() -> Net {
-    let vars: BTreeMap<String, String> =
-        [("PRISM_IFNAMES", "lo"), ("PRISM_SEED", "7"), ("PRISM_PATHS", "4")].iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
-    Net::new(TransportConfig::from_vars(&vars).unwrap(), prism_lb::LbConfig::default()).unwrap()
-}
-
-fn pair(net: &Net) -> (SendComm, RecvComm) {
-    let mut handle = [0u8; HANDLE_LEN];
-    let mut lis = net.listen(0, &mut handle).unwrap();
-    let (mut s, mut r) = (None, None);
-    let t0 = Instant::now();
-    while s.is_none() || r.is_none() {
-        if s.is_none() {
-            s = net.connect(0, &mut handle).unwrap();
-        }
-        if r.is_none() {
-            r = lis.accept().unwrap();
-        }
-        assert!(t0.elapsed() < Duration::from_secs(10), "handshake did not finish");
-    }
-    (s.unwrap(), r.unwrap())
-}
-
-struct Bytes(Vec<u8>);
-impl SendBuf for Bytes {
-    fn len(&self) -> usize {
-        self.0.len()
-    }
-    fn read(&self, offset: usize, out: &mut [u8]) {
-        out.copy_from_slice(&self.0[offset..offset + out.len()]);
-    }
-}
-
-struct Sink(Arc<Mutex<Vec<u8>>>);
-impl RecvBuf for Sink {
-    fn len(&self) -> usize {
-        self.0.lock().unwrap().len()
-    }
-    fn write(&mut self, offset: usize, data: &[u8]) {
-        self.0.lock().unwrap()[offset..offset + data.len()].copy_from_slice(data);
-    }
-}
-
 /// One small message, so that the progress thread has work (and acknowledgements owed) at close.
 fn exchange(s: &mut SendComm, r: &mut RecvComm, len: usize) {
-    let out = Arc::new(Mutex::new(vec![0u8; len]));
-    let rreq = r.irecv(vec![(Box::new(Sink(out.clone())) as Box<dyn RecvBuf>, 0)]).unwrap().expect("room for the receive");
-    let sreq = s.isend(Box::new(Bytes(vec![0x5A; len])), 0).unwrap().expect("room for the send");
+    let out = SharedRecv::filled(len, 0);
+    let rreq = r.irecv(vec![(Box::new(out.clone()) as Box<dyn RecvBuf>, 0)]).unwrap().expect("room for the receive");
+    let sreq = s.isend(Box::new(VecSend::new(vec![0x5A; len])), 0).unwrap().expect("room for the send");
     let (mut sent, mut got) = (false, false);
     let t0 = Instant::now();
     while !sent || !got {
@@ -90,7 +49,7 @@ fn exchange(s: &mut SendComm, r: &mut RecvComm, len: usize) {
         got = got || r.test(rreq).unwrap().is_some();
         assert!(t0.elapsed() < Duration::from_secs(20), "a {len}-byte message did not complete");
     }
-    assert!(out.lock().unwrap().iter().all(|&b| b == 0x5A), "the message arrived damaged");
+    assert!(out.0.lock().unwrap().iter().all(|&b| b == 0x5A), "the message arrived damaged");
 }
 
 #[test]
@@ -137,4 +96,8 @@ fn comms_opened_while_others_close_always_have_a_progress_thread() {
         w.join().expect("worker");
     }
     assert_eq!(progress_threads(), 0, "every comm closed, yet the progress thread is listed");
+}
+
+fn net() -> Net {
+    common::net(&[("PRISM_SEED", "7"), ("PRISM_PATHS", "4")])
 }

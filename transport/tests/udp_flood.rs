@@ -9,13 +9,15 @@
 //! In its own test file, so that it runs in its own process: the memory it measures is host-wide, and
 //! the other engine tests would add their own sockets' queues to it.
 
-use std::collections::BTreeMap;
+mod common;
+
 use std::net::{Ipv4Addr, SocketAddrV4, UdpSocket};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use prism_transport::engine::{Net, RecvBuf, RecvComm, SendBuf, SendComm, TransportConfig, HANDLE_LEN};
+use common::{pair_between, SharedRecv, VecSend};
+use prism_transport::engine::{Net, RecvBuf, RecvComm, SendComm};
 use prism_transport::wire::{CtsBuf, CtsPacket, CtsRepr, DataPacket, DataRepr, SackPacket, SackRepr};
 use rand::rngs::StdRng;
 use rand::{Rng, RngCore, SeedableRng};
@@ -31,59 +33,14 @@ const SLACK_PAGES: i64 = (1 << 20) / PAGE;
 /// Bytes of each message of the transfer.
 const MSG: usize = 1 << 20;
 
-struct VecSend(Arc<Vec<u8>>);
-impl SendBuf for VecSend {
-    fn len(&self) -> usize {
-        self.0.len()
-    }
-    fn read(&self, offset: usize, out: &mut [u8]) {
-        out.copy_from_slice(&self.0[offset..offset + out.len()]);
-    }
-}
-
-#[derive(Clone)]
-struct SharedRecv(Arc<Mutex<Vec<u8>>>);
-impl RecvBuf for SharedRecv {
-    fn len(&self) -> usize {
-        self.0.lock().unwrap().len()
-    }
-    fn write(&mut self, offset: usize, data: &[u8]) {
-        self.0.lock().unwrap()[offset..offset + data.len()].copy_from_slice(data);
-    }
-}
-
 fn pattern(seed: u64, len: usize) -> Vec<u8> {
     (0..len).map(|i| ((i as u64).wrapping_mul(2654435761).wrapping_add(seed.wrapping_mul(0x9E37_79B9)) >> 11) as u8).collect()
-}
-
-fn net() -> Net {
-    let vars: BTreeMap<String, String> =
-        [("PRISM_IFNAMES", "lo"), ("PRISM_PATHS", "16"), ("PRISM_SEED", "7")].iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
-    Net::new(TransportConfig::from_vars(&vars).unwrap(), prism_lb::LbConfig::default()).unwrap()
-}
-
-/// A send comm on `a` connected to a receive comm on `b`.
-fn pair(a: &Net, b: &Net) -> (SendComm, RecvComm) {
-    let mut handle = [0u8; HANDLE_LEN];
-    let mut lis = b.listen(0, &mut handle).unwrap();
-    let (mut s, mut r) = (None, None);
-    let t0 = Instant::now();
-    while s.is_none() || r.is_none() {
-        if s.is_none() {
-            s = a.connect(0, &mut handle).unwrap();
-        }
-        if r.is_none() {
-            r = lis.accept().unwrap();
-        }
-        assert!(t0.elapsed() < Duration::from_secs(10), "handshake did not finish");
-    }
-    (s.unwrap(), r.unwrap())
 }
 
 /// Send message `k` and check every byte that arrives.
 fn transfer(s: &mut SendComm, r: &mut RecvComm, k: u64) {
     let data = Arc::new(pattern(k, MSG));
-    let rbuf = SharedRecv(Arc::new(Mutex::new(vec![0u8; MSG])));
+    let rbuf = SharedRecv::filled(MSG, 0);
     let rid = r.irecv(vec![(Box::new(rbuf.clone()) as Box<dyn RecvBuf>, 1)]).unwrap().expect("room for the receive");
     let sid = s.isend(Box::new(VecSend(data.clone())), 1).unwrap().expect("room for the send");
     let (mut sent, mut got) = (None, None);
@@ -253,7 +210,7 @@ fn flood(targets: Vec<u16>, done: Arc<AtomicBool>, peak: Arc<AtomicU64>) -> u64 
 #[test]
 fn a_flood_at_every_port_leaves_the_transfer_intact_and_no_memory_behind() {
     let (a, b) = (net(), net());
-    let (mut s, mut r) = pair(&a, &b);
+    let (mut s, mut r) = pair_between(&a, &b);
     // A first message before the flood: the comms are set up and every path has been used.
     transfer(&mut s, &mut r, 0);
 
@@ -315,4 +272,8 @@ fn a_flood_at_every_port_leaves_the_transfer_intact_and_no_memory_behind() {
             assert!(is > was, "{name}: {counter} did not count the flood ({was} before, {is} after)");
         }
     }
+}
+
+fn net() -> Net {
+    common::net(&[("PRISM_PATHS", "16"), ("PRISM_SEED", "7")])
 }
