@@ -37,6 +37,8 @@ BIN_DIR=""
 BUILD=1
 SCENARIOS="$ALL_SCENARIOS"
 BOOT_TIMEOUT=600
+# Seconds a guest kernel may take to reach init (4-6 s is usual under TCG) before it counts as hung.
+INIT_LIMIT=120
 GUEST_ENV=""
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -144,24 +146,49 @@ boot_scenario() {
   mkdir -p "$dir"
   t0=$(now_s)
   say "scenario $name: booting"
-  qemu-system-x86_64 -accel tcg,thread=multi -smp 2 -m 2G -cpu max \
-    -kernel "$IMAGE_DIR/vmlinuz" -initrd "$RUN_TMP/initrd.cpio" \
-    -append "console=ttyS0 rdinit=/init panic=-1 quiet prism.scenario=$name$GUEST_ENV" \
-    -display none -monitor none -serial "file:$dir/console.log" -no-reboot -nic none \
-    -fsdev "local,id=out,path=$dir,security_model=none" -device virtio-9p-pci,fsdev=out,mount_tag=out \
-    </dev/null >"$dir/qemu.log" 2>&1 &
-  QEMU_PID=$!
-  deadline=$(( $(date +%s) + BOOT_TIMEOUT ))
-  while kill -0 "$QEMU_PID" 2>/dev/null; do
-    if [ "$(date +%s)" -ge "$deadline" ]; then
-      warn "scenario $name: guest still running after ${BOOT_TIMEOUT}s: killing qemu (pid $QEMU_PID)"
-      timed_out=true
-      kill "$QEMU_PID" 2>/dev/null || true
-      sleep 1
-      kill -9 "$QEMU_PID" 2>/dev/null || true
-      break
-    fi
-    sleep 0.5
+  # A TCG guest's kernel has been seen to hang before init on a heavily loaded host (a secondary vCPU
+  # never woke from idle: RCU stall reports from 23 s of guest time on, no @@PRISM-INIT after 600 s;
+  # the same image booted in 4-6 s before and after). That is the emulator, not the scenario: a boot
+  # that has not reached the guest's init within INIT_LIMIT seconds is killed and booted once more,
+  # and the entry records it (boot_retries). The scenario itself is never re-run once it has begun.
+  local attempt boot_retries=0 t_boot
+  for attempt in 1 2; do
+    qemu-system-x86_64 -accel tcg,thread=multi -smp 2 -m 2G -cpu max \
+      -kernel "$IMAGE_DIR/vmlinuz" -initrd "$RUN_TMP/initrd.cpio" \
+      -append "console=ttyS0 rdinit=/init panic=-1 quiet prism.scenario=$name$GUEST_ENV" \
+      -display none -monitor none -serial "file:$dir/console.log" -no-reboot -nic none \
+      -fsdev "local,id=out,path=$dir,security_model=none" -device virtio-9p-pci,fsdev=out,mount_tag=out \
+      </dev/null >"$dir/qemu.log" 2>&1 &
+    QEMU_PID=$!
+    t_boot=$(date +%s)
+    deadline=$(( t_boot + BOOT_TIMEOUT ))
+    local hung=false
+    while kill -0 "$QEMU_PID" 2>/dev/null; do
+      if [ "$(date +%s)" -ge "$deadline" ]; then
+        warn "scenario $name: guest still running after ${BOOT_TIMEOUT}s: killing qemu (pid $QEMU_PID)"
+        timed_out=true
+        kill "$QEMU_PID" 2>/dev/null || true
+        sleep 1
+        kill -9 "$QEMU_PID" 2>/dev/null || true
+        break
+      fi
+      if [ "$attempt" -eq 1 ] && [ "$(( $(date +%s) - t_boot ))" -ge "$INIT_LIMIT" ] \
+        && ! grep -aq '@@PRISM-INIT' "$dir/console.log" 2>/dev/null; then
+        warn "scenario $name: the guest kernel did not reach init within ${INIT_LIMIT}s (emulator hang; console tail below): booting again"
+        tail -n 5 "$dir/console.log" >&2 || true
+        hung=true
+        kill "$QEMU_PID" 2>/dev/null || true
+        sleep 1
+        kill -9 "$QEMU_PID" 2>/dev/null || true
+        break
+      fi
+      sleep 0.5
+    done
+    [ "$hung" = true ] || break
+    wait "$QEMU_PID" 2>/dev/null || true
+    QEMU_PID=""
+    boot_retries=$((boot_retries + 1))
+    mv "$dir/console.log" "$dir/console-hung-boot.log" 2>/dev/null || true
   done
   wait "$QEMU_PID" 2>/dev/null || rc=$?
   QEMU_PID=""
@@ -193,10 +220,10 @@ boot_scenario() {
   local boot_s
   boot_s=$(awk '/@@PRISM-BEGIN/ { for (i = 1; i <= NF; i++) if ($i ~ /^uptime=/) { sub(/uptime=/, "", $i); print $i } }' "$dir/console.log" | tr -d '\r' | head -n1)
   jq -cn --arg name "$name" --argjson pass "$verdict" --arg error "$error" \
-    --argjson wall "$wall" --arg boot "${boot_s:-}" \
+    --argjson wall "$wall" --arg boot "${boot_s:-}" --argjson boot_retries "$boot_retries" \
     --slurpfile r <( [ -f "$dir/result.json" ] && jq -c . "$dir/result.json" 2>/dev/null || echo '{}' ) \
     '{scenario: $name, pass: $pass, error: (if $error == "" then null else $error end),
-      host_wall_seconds: $wall,
+      host_wall_seconds: $wall, boot_retries: $boot_retries,
       guest_boot_seconds: (if $boot == "" then null else ($boot | tonumber) end),
       guest_seconds: ($r[0].guest_seconds // null),
       metrics: ($r[0].metrics // {}), checks: ($r[0].checks // [])}' >>"$ENTRIES"
