@@ -336,6 +336,17 @@ def summarize_stats(docs: list) -> dict:
         if isinstance(v, (int, float)) and not isinstance(v, bool):
             sums[k] = sums.get(k, 0) + v
 
+    def add_comm(c: dict) -> dict:
+        """The counters a closed-comm summary and a listed comm share; returns its `conn` object."""
+        add("wrong_peer_dropped", c.get("wrong_peer_dropped"))
+        conn = c.get("conn") if isinstance(c.get("conn"), dict) else {}
+        for k in CONN_COUNTERS:
+            add(k, conn.get(k))
+        dropped = conn.get("dropped") if isinstance(conn.get("dropped"), dict) else {}
+        for v in dropped.values():
+            add("bad_packets_dropped", v)
+        return conn
+
     for d in docs:
         if not isinstance(d, dict):
             continue
@@ -346,13 +357,7 @@ def summarize_stats(docs: list) -> dict:
             for g in groups:
                 if not isinstance(g, dict):
                     continue
-                add("wrong_peer_dropped", g.get("wrong_peer_dropped"))
-                conn = g.get("conn") if isinstance(g.get("conn"), dict) else {}
-                for k in CONN_COUNTERS:
-                    add(k, conn.get(k))
-                dropped = conn.get("dropped") if isinstance(conn.get("dropped"), dict) else {}
-                for v in dropped.values():
-                    add("bad_packets_dropped", v)
+                add_comm(g)
                 paths = g.get("paths") if isinstance(g.get("paths"), dict) else {}
                 add("path_state_changes", paths.get("state_changes"))
                 add("path_probes_sent", paths.get("probes_sent"))
@@ -363,13 +368,7 @@ def summarize_stats(docs: list) -> dict:
         for c in comms:
             if not isinstance(c, dict):
                 continue
-            add("wrong_peer_dropped", c.get("wrong_peer_dropped"))
-            conn = c.get("conn") if isinstance(c.get("conn"), dict) else {}
-            for k in CONN_COUNTERS:
-                add(k, conn.get(k))
-            dropped = conn.get("dropped") if isinstance(conn.get("dropped"), dict) else {}
-            for v in dropped.values():
-                add("bad_packets_dropped", v)
+            conn = add_comm(c)
             for p in conn.get("paths", []) if isinstance(conn.get("paths"), list) else []:
                 if not isinstance(p, dict):
                     continue
