@@ -106,8 +106,11 @@ fn a_peer_that_answers_keepalives_but_never_acknowledges_data_fails_the_send_wit
         }
         assert!(t0.elapsed() < Duration::from_secs(10), "handshake with the fake peer did not finish");
     };
-    let req = s.isend(Box::new(Zeros(64 << 10)), 1).unwrap().expect("room for the send");
+    // Timed from before the post: the CTS is already in, so `isend` itself sends the first DATA packet,
+    // and the stall is measured from that packet (taken after `isend`, the clock started late: once
+    // "failed after 499.55 ms" for a 500 ms bound).
     let t_post = Instant::now();
+    let req = s.isend(Box::new(Zeros(64 << 10)), 1).unwrap().expect("room for the send");
     let res = loop {
         match s.test(req) {
             Ok(None) => {}
