@@ -41,6 +41,20 @@ pub struct PacketBody {
     pub hdr: [u8; MAX_HDR],
 }
 
+impl PacketBody {
+    /// The valid header bytes.
+    #[inline]
+    pub fn hdr_bytes(&self) -> &[u8] {
+        &self.hdr[..self.hdr_len as usize]
+    }
+
+    /// The valid header bytes, mutable (ECN marking).
+    #[inline]
+    pub fn hdr_bytes_mut(&mut self) -> &mut [u8] {
+        &mut self.hdr[..self.hdr_len as usize]
+    }
+}
+
 /// A packet in flight.
 #[derive(Clone)]
 pub struct Packet {
