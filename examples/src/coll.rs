@@ -9,6 +9,7 @@
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
+use prism_lb::splitmix64;
 use serde::Serialize;
 
 use crate::net::{BufId, NetError, Region, ReqId, Transport, MAX_REQUESTS_PER_COMM};
@@ -360,23 +361,15 @@ pub fn plan(coll: Collective, rank: usize, nranks: usize, counts: Counts, bufs: 
 /// `softroce-tests/fabric/prismfab/metrics.py` repeats the computation for its lower bound.
 pub const SPARSE_SEED: u64 = 0x5eed_2026_0005;
 
-/// splitmix64's finalizer: a well-mixed 64-bit hash of `x`.
-fn mix64(x: u64) -> u64 {
-    let mut z = x.wrapping_add(0x9e37_79b9_7f4a_7c15);
-    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-    z ^ (z >> 31)
-}
-
 /// Elements rank `src` sends to rank `dst` in `alltoall_sparse` with blocks of `c` elements on `n`
-/// ranks: `src` orders the other ranks by `mix64(SPARSE_SEED ^ src << 32 ^ dst)`, sends `c / (k + 1)`
+/// ranks: `src` orders the other ranks by `splitmix64(SPARSE_SEED ^ src << 32 ^ dst)`, sends `c / (k + 1)`
 /// elements to the k-th of the first `ceil((n - 1) / 2)` and nothing to the rest; its own block is
 /// copied whole. The same on every rank, so receivers know what arrives.
 pub fn sparse_len(src: usize, dst: usize, n: usize, c: usize) -> usize {
     if src == dst {
         return c;
     }
-    let key = |d: usize| (mix64(SPARSE_SEED ^ ((src as u64) << 32) ^ d as u64), d);
+    let key = |d: usize| (splitmix64(SPARSE_SEED ^ ((src as u64) << 32) ^ d as u64), d);
     let mine = key(dst);
     let k = (0..n).filter(|&d| d != src && d != dst && key(d) < mine).count();
     if k < (n - 1).div_ceil(2) {

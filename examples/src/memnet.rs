@@ -8,6 +8,8 @@ use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
+use prism_lb::hash::{splitmix64, SPLITMIX64_GAMMA};
+
 use crate::net::{BufId, NetError, Pool, Region, ReqId, Transport, MAX_REQUESTS_PER_COMM};
 
 /// Behaviour of the in-memory network.
@@ -120,11 +122,9 @@ pub fn mesh(n: usize, cfg: MemNetConfig) -> (MemNet, Vec<MemTransport>) {
 impl MemTransport {
     /// splitmix64: deterministic per rank and seed.
     fn next_random(&mut self) -> u64 {
-        self.rng = self.rng.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.rng;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
+        let out = splitmix64(self.rng);
+        self.rng = self.rng.wrapping_add(SPLITMIX64_GAMMA);
+        out
     }
 
     fn chance(&mut self, pct: u64) -> bool {

@@ -5,7 +5,9 @@ use std::collections::{HashMap, VecDeque};
 
 use rand::{rngs::SmallRng, SeedableRng};
 
-use super::{mix64, Fabric, Node, NodeKind, Port, PortStats};
+use prism_lb::splitmix64;
+
+use super::{Fabric, Node, NodeKind, Port, PortStats};
 use crate::events::{Ps, PS_PER_NS, PS_PER_US};
 use crate::scenario::{invalid, LinkSpec, ScenarioError, SwitchMode, TopologySpec};
 
@@ -199,8 +201,8 @@ impl Fabric {
             links: b.links,
             hops: vec![0; hosts * hosts],
             mode,
-            rng: SmallRng::seed_from_u64(mix64(seed ^ 0x5157)),
-            salt: mix64(seed ^ 0xEC3F),
+            rng: SmallRng::seed_from_u64(splitmix64(seed ^ 0x5157)),
+            salt: splitmix64(seed ^ 0xEC3F),
             rr: Vec::new(),
             ofan: Vec::new(),
             flowlets: HashMap::new(),

@@ -156,13 +156,6 @@ pub struct Fabric {
     pub layer_names: Vec<String>,
 }
 
-fn mix64(mut x: u64) -> u64 {
-    x = x.wrapping_add(0x9e37_79b9_7f4a_7c15);
-    x = (x ^ (x >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-    x = (x ^ (x >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-    x ^ (x >> 31)
-}
-
 impl Fabric {
     /// The switch index of node `n`.
     fn switch_index(&self, n: u32) -> usize {

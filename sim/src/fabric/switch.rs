@@ -3,7 +3,9 @@
 
 use rand::{seq::SliceRandom, Rng};
 
-use super::{mix64, Fabric, NodeKind, PacketMeta};
+use prism_lb::splitmix64;
+
+use super::{Fabric, NodeKind, PacketMeta};
 use crate::events::Ps;
 use crate::scenario::SwitchMode;
 
@@ -38,7 +40,7 @@ impl Fabric {
             SwitchMode::PathId => (pkt.entropy as u32 / self.radix_div[tier]) as usize % n,
             SwitchMode::Hash => {
                 let key = (pkt.src_nic as u64) | (pkt.dst_nic as u64) << 24 | (pkt.entropy as u64) << 48;
-                (mix64(key ^ mix64(self.salt ^ si as u64)) % n as u64) as usize
+                (splitmix64(key ^ splitmix64(self.salt ^ si as u64)) % n as u64) as usize
             }
             SwitchMode::Spray => self.rng.gen_range(0..n),
             SwitchMode::RoundRobin | SwitchMode::SimpleRoundRobin => {
@@ -99,7 +101,7 @@ impl Fabric {
                 i
             }
             SwitchMode::Flowlet => {
-                let key = mix64((si as u64) << 48 ^ (pkt.src_nic as u64) << 32 ^ (pkt.dst_nic as u64) << 16 ^ pkt.entropy as u64);
+                let key = splitmix64((si as u64) << 48 ^ (pkt.src_nic as u64) << 32 ^ (pkt.dst_nic as u64) << 16 ^ pkt.entropy as u64);
                 let gap = self.flowlet_gap;
                 let rng = &mut self.rng;
                 let e = self.flowlets.entry(key).or_insert((u16::MAX, 0));
