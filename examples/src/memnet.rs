@@ -10,7 +10,7 @@ use std::sync::{Arc, Mutex};
 
 use prism_lb::hash::{splitmix64, SPLITMIX64_GAMMA};
 
-use crate::net::{BufId, NetError, Pool, Region, ReqId, Transport, MAX_REQUESTS_PER_COMM};
+use crate::net::{BufId, Direction, NetError, Pool, Region, ReqId, Transport, MAX_REQUESTS_PER_COMM};
 
 /// Behaviour of the in-memory network.
 #[derive(Debug, Clone, Copy)]
@@ -131,7 +131,7 @@ impl MemTransport {
         pct > 0 && self.next_random() % 100 < pct
     }
 
-    fn check_peer(&self, peer: usize, dir: &'static str) -> Result<(), NetError> {
+    fn check_peer(&self, peer: usize, dir: Direction) -> Result<(), NetError> {
         if peer >= self.shared.n || peer == self.rank {
             return Err(NetError::NoComm { dir, peer });
         }
@@ -167,7 +167,7 @@ impl Transport for MemTransport {
     }
 
     fn isend(&mut self, peer: usize, region: Region) -> Result<Option<ReqId>, NetError> {
-        self.check_peer(peer, "send")?;
+        self.check_peer(peer, Direction::Send)?;
         if self.sends_open[peer] >= self.cfg.max_requests_per_comm {
             return Err(NetError::Protocol(format!(
                 "rank {}: isend to {peer} with {} requests already open on the comm",
@@ -213,7 +213,7 @@ impl Transport for MemTransport {
     }
 
     fn irecv(&mut self, peer: usize, region: Region) -> Result<Option<ReqId>, NetError> {
-        self.check_peer(peer, "recv")?;
+        self.check_peer(peer, Direction::Recv)?;
         if self.recvs_open[peer] >= self.cfg.max_requests_per_comm {
             return Err(NetError::Protocol(format!(
                 "rank {}: irecv from {peer} with {} requests already open on the comm",
