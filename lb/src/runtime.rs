@@ -110,11 +110,6 @@ impl LbRuntime {
         self.inner.host
     }
 
-    /// True when traffic to `dst_host` on `rail` stays under one leaf (the split layer leaves it whole).
-    pub fn is_rack_local(&self, dst_host: usize, rail: u16) -> bool {
-        self.inner.topo.rack_local(self.inner.host, dst_host, rail)
-    }
-
     /// Plan one message: its chunks, each with a rail and possibly a pinned uplink.
     pub fn plan(&self, req: &SendReq, now_us: u64) -> Result<Plan, PlanError> {
         let mut v = self.plan_batch(std::slice::from_ref(req), now_us)?;

@@ -77,16 +77,6 @@ impl Pool {
         self.bufs.get(buf.0).map_or(0, |b| b.len())
     }
 
-    /// The whole buffer as one region.
-    pub fn whole(&self, buf: BufId) -> Region {
-        Region::new(buf, 0, self.buf_len(buf))
-    }
-
-    /// Number of regions posted requests still use.
-    pub fn pending_count(&self) -> usize {
-        self.pending.len()
-    }
-
     /// The buffer of `region` once the region is known to lie inside it.
     pub(super) fn check(&self, region: Region) -> Result<&HostBuf, NetError> {
         let buf_len = self.buf_len(region.buf);

@@ -165,13 +165,6 @@ impl Fabric {
         }
     }
 
-    /// The candidate next-hop ports of switch node `node` towards `dst_nic` (for tests and reports).
-    pub fn candidates(&self, node: u32, dst_nic: u32) -> &[u32] {
-        let si = self.switch_index(node);
-        let g = self.route[si * self.hosts * self.rails + dst_nic as usize];
-        &self.groups[g as usize]
-    }
-
     /// The node with this name.
     pub fn node_by_name(&self, name: &str) -> Option<u32> {
         self.nodes.iter().position(|n| n.name == name).map(|i| i as u32)
