@@ -35,7 +35,7 @@ impl HostBuf {
     // Page alignment, like NCCL's own host buffers; some transports register whole pages.
     const ALIGN: usize = 4096;
 
-    /// `len` zeroed elements, or `None` (with the bytes asked for) when they cannot be allocated.
+    /// `len` zeroed elements, or (as the error) the bytes that could not be allocated.
     pub fn new(len: usize) -> Result<Self, usize> {
         if len == 0 {
             return Ok(Self { ptr: NonNull::dangling(), len });
