@@ -1,8 +1,10 @@
 //! prism-perf: nccl-tests-style collectives on host memory through an NCCL net plugin's C ABI.
 //!
 //! The plugin is dlopened by a small C shim (`csrc/netshim.c`, built against `include/prism_net.h`) and
-//! driven like NCCL's proxy drives it; nothing here links Prism's Rust crates. Layers, bottom up:
-//! [`net`] (the shim, host buffers, the [`net::Transport`] trait), [`coll`] (schedules and their
+//! driven like NCCL's proxy drives it; nothing here links Prism's transport or plugin crates (only
+//! `prism-lb`'s `splitmix64`, the hash of the sparse alltoall's pattern). Layers, bottom up: [`ffi`]
+//! (every `unsafe` call: the shim and host memory), [`net`] (host buffers, the [`net::Transport`]
+//! trait, the plugin and the transport over it), [`coll`] (schedules and their
 //! executor), [`data`] (test data and its check), [`rendezvous`] (TCP bootstrap between ranks),
 //! [`bench`](mod@bench) (one rank's run), [`launch`] (`-N` local ranks), [`report`] (table and JSON).
 
@@ -13,6 +15,7 @@ pub mod bw;
 pub mod cli;
 pub mod coll;
 pub mod data;
+pub mod ffi;
 pub mod launch;
 pub mod memnet;
 pub mod net;

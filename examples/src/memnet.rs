@@ -8,7 +8,9 @@ use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
-use crate::net::{BufId, NetError, Pool, Region, ReqId, Transport, MAX_REQUESTS_PER_COMM};
+use prism_lb::hash::{splitmix64, SPLITMIX64_GAMMA};
+
+use crate::net::{BufId, Direction, NetError, Pool, Region, ReqId, Transport, MAX_REQUESTS_PER_COMM};
 
 /// Behaviour of the in-memory network.
 #[derive(Debug, Clone, Copy)]
@@ -120,18 +122,16 @@ pub fn mesh(n: usize, cfg: MemNetConfig) -> (MemNet, Vec<MemTransport>) {
 impl MemTransport {
     /// splitmix64: deterministic per rank and seed.
     fn next_random(&mut self) -> u64 {
-        self.rng = self.rng.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.rng;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
+        let out = splitmix64(self.rng);
+        self.rng = self.rng.wrapping_add(SPLITMIX64_GAMMA);
+        out
     }
 
     fn chance(&mut self, pct: u64) -> bool {
         pct > 0 && self.next_random() % 100 < pct
     }
 
-    fn check_peer(&self, peer: usize, dir: &'static str) -> Result<(), NetError> {
+    fn check_peer(&self, peer: usize, dir: Direction) -> Result<(), NetError> {
         if peer >= self.shared.n || peer == self.rank {
             return Err(NetError::NoComm { dir, peer });
         }
@@ -167,7 +167,7 @@ impl Transport for MemTransport {
     }
 
     fn isend(&mut self, peer: usize, region: Region) -> Result<Option<ReqId>, NetError> {
-        self.check_peer(peer, "send")?;
+        self.check_peer(peer, Direction::Send)?;
         if self.sends_open[peer] >= self.cfg.max_requests_per_comm {
             return Err(NetError::Protocol(format!(
                 "rank {}: isend to {peer} with {} requests already open on the comm",
@@ -213,7 +213,7 @@ impl Transport for MemTransport {
     }
 
     fn irecv(&mut self, peer: usize, region: Region) -> Result<Option<ReqId>, NetError> {
-        self.check_peer(peer, "recv")?;
+        self.check_peer(peer, Direction::Recv)?;
         if self.recvs_open[peer] >= self.cfg.max_requests_per_comm {
             return Err(NetError::Protocol(format!(
                 "rank {}: irecv from {peer} with {} requests already open on the comm",

@@ -19,6 +19,7 @@
 
 pub mod config;
 pub mod feedback;
+pub mod hash;
 pub mod path;
 pub mod plan;
 pub mod rail;
@@ -29,6 +30,7 @@ pub mod topology;
 
 pub use config::{ConfigError, LbConfig, PathKind};
 pub use feedback::Feedback;
+pub use hash::splitmix64;
 pub use path::{PathCtx, PathPolicy};
 pub use plan::{Chunk, Plan, PlanError, SendReq};
 pub use rail::{RailKind, TieBreak};
@@ -43,12 +45,4 @@ pub(crate) fn gcd(mut a: u64, mut b: u64) -> u64 {
         (a, b) = (b, a % b);
     }
     a
-}
-
-/// SplitMix64's finaliser: a cheap, well-mixed 64-bit hash.
-pub(crate) fn mix64(mut x: u64) -> u64 {
-    x = x.wrapping_add(0x9e37_79b9_7f4a_7c15);
-    x = (x ^ (x >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-    x = (x ^ (x >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-    x ^ (x >> 31)
 }

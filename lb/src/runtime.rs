@@ -10,12 +10,12 @@ use rand::{rngs::SmallRng, Rng, SeedableRng};
 
 use crate::config::{LbConfig, PathKind};
 use crate::feedback::Feedback;
-use crate::mix64;
 use crate::path::{lock, DeadSet, Dr, DrShared, Ecmp, PathCtx, PathPolicy, Pinned, Pro, ProShared, Reps, Spray};
 use crate::plan::{Chunk, Plan, PlanError, SendReq};
 use crate::rail::{rail_policy, RailChunk, RailPolicy};
 use crate::rate::{CcKind, Mcc, NoRate, RateController};
 use crate::split::{split, BadPaths, Batcher, SplitEnv, SplitKind};
+use crate::splitmix64;
 use crate::topology::Topology;
 
 /// One flow as the path layer sees it: this process's traffic to one host on one rail.
@@ -68,7 +68,7 @@ impl std::fmt::Debug for LbRuntime {
 }
 
 fn key_seed(seed: u64, k: &LeafKey) -> u64 {
-    mix64(seed ^ mix64(k.0 as u64 ^ mix64(k.1 as u64 ^ mix64(k.2.map_or(u64::MAX, |u| u as u64)))))
+    splitmix64(seed ^ splitmix64(k.0 as u64 ^ splitmix64(k.1 as u64 ^ splitmix64(k.2.map_or(u64::MAX, |u| u as u64)))))
 }
 
 impl LbRuntime {
@@ -80,11 +80,11 @@ impl LbRuntime {
         let rails = topo.rails();
         let inner = Inner {
             rails: Mutex::new(RailShared {
-                policy: rail_policy(cfg.rail, rails, cfg.lpt_tie, mix64(seed ^ 1)),
+                policy: rail_policy(cfg.rail, rails, cfg.lpt_tie, splitmix64(seed ^ 1)),
                 alive: vec![true; rails as usize],
                 scratch: Vec::new(),
             }),
-            split: Mutex::new(SplitShared { bad: BadPaths::default(), rng: SmallRng::seed_from_u64(mix64(seed ^ 2)) }),
+            split: Mutex::new(SplitShared { bad: BadPaths::default(), rng: SmallRng::seed_from_u64(splitmix64(seed ^ 2)) }),
             pro: Mutex::new(HashMap::new()),
             dr: Mutex::new(HashMap::new()),
             cfg,
@@ -108,11 +108,6 @@ impl LbRuntime {
     /// This process's host id.
     pub fn host(&self) -> usize {
         self.inner.host
-    }
-
-    /// True when traffic to `dst_host` on `rail` stays under one leaf (the split layer leaves it whole).
-    pub fn is_rack_local(&self, dst_host: usize, rail: u16) -> bool {
-        self.inner.topo.rack_local(self.inner.host, dst_host, rail)
     }
 
     /// Plan one message: its chunks, each with a rail and possibly a pinned uplink.
@@ -173,7 +168,7 @@ impl LbRuntime {
         let ethereal = (self.inner.cfg.split == SplitKind::Ethereal).then(|| Reroute {
             msg: None,
             to: vec![None; uplinks as usize],
-            rng: SmallRng::seed_from_u64(mix64(seed ^ 3)),
+            rng: SmallRng::seed_from_u64(splitmix64(seed ^ 3)),
         });
         FlowPaths {
             rt: self.clone(),
@@ -297,7 +292,7 @@ impl FlowPaths {
 
     fn pinned(&mut self, u: u16) -> &mut Pinned {
         if self.pinned[u as usize].is_none() {
-            let inner = self.rt.make_policy(self.rail, self.dst_leaf, Some(u), mix64(self.seed ^ (u as u64 + 1)));
+            let inner = self.rt.make_policy(self.rail, self.dst_leaf, Some(u), splitmix64(self.seed ^ (u as u64 + 1)));
             let rt = self.rt.clone();
             let leaf = self.my_leaf;
             let mut p = Pinned::new(inner, u, Box::new(move |e| rt.inner.topo.uplink_of_entropy(leaf, e)));

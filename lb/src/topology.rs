@@ -105,14 +105,6 @@ impl Topology {
         Self::new(rails, uplinks, leaves, hosts)
     }
 
-    /// A rail-optimised fabric (RailS Fig. 3): NIC `r` of every host hangs from leaf `r`, so traffic that
-    /// stays on its rail is one switch hop and rack-local.
-    pub fn rail_optimised(hosts: usize, rails: u16, uplinks: u16) -> Result<Self, TopologyError> {
-        let leaves = vec![Leaf { uplinks, entropy_uplink: None }; rails.max(1) as usize];
-        let hosts = (0..hosts).map(|_| Host { name: None, leaves: (0..rails as u32).collect() }).collect();
-        Self::new(rails, uplinks, leaves, hosts)
-    }
-
     /// Build and validate a topology from its parts. Leaf ids are indices into `leaves`.
     pub fn new(rails: u16, spines: u16, leaves: Vec<Leaf>, hosts: Vec<Host>) -> Result<Self, TopologyError> {
         let t = Self { rails, spines, leaves, hosts };

@@ -55,11 +55,6 @@ impl Lpt {
         self.per_dst.get(&dst_host).cloned().unwrap_or_else(|| vec![0; self.rails as usize])
     }
 
-    /// Bytes assigned to each rail over all destinations (rebased like [`Lpt::load`]).
-    pub fn total_load(&self) -> &[u64] {
-        &self.total
-    }
-
     fn start(&self, src: usize, dst: usize) -> usize {
         match self.tie {
             TieBreak::Rotated => (src.wrapping_add(dst)) % self.rails as usize,

@@ -6,8 +6,8 @@
 use std::collections::HashMap;
 
 use super::{alive_mask, RailChunk, RailPolicy};
-use crate::mix64;
 use crate::plan::{cut, SendReq};
+use crate::splitmix64;
 
 /// The first usable rail at or after `from` (wrapping), for a mask that has at least one bit set.
 fn next_usable(mask: u64, n: usize, from: usize) -> usize {
@@ -82,7 +82,7 @@ impl RailPolicy for HashRail {
         let mask = alive_mask(alive, n);
         let usable = mask.count_ones() as u64;
         for (m, r) in reqs.iter().enumerate() {
-            let h = mix64(self.seed ^ mix64(src_host as u64 ^ mix64(r.dst_host as u64 ^ mix64(r.flow))));
+            let h = splitmix64(self.seed ^ splitmix64(src_host as u64 ^ splitmix64(r.dst_host as u64 ^ splitmix64(r.flow))));
             // The k-th usable rail, so a dead rail moves only the connections it carried.
             let k = (h % usable) as u32;
             let rail = (0..n).filter(|&j| mask >> j & 1 == 1).nth(k as usize).unwrap_or(0);

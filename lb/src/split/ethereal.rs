@@ -114,11 +114,6 @@ impl BadPaths {
         self.until_us.remove(&(rail, uplink));
     }
 
-    /// Whether `uplink` of `rail` is marked bad at `now_us`.
-    pub fn is_bad(&self, rail: u16, uplink: u16, now_us: u64) -> bool {
-        self.until_us.get(&(rail, uplink)).is_some_and(|&t| t > now_us)
-    }
-
     /// The good uplinks among `0..s` of `rail` at `now_us` (expired marks are dropped); all of them when
     /// every one is bad, since some path beats none.
     pub fn good_uplinks(&mut self, rail: u16, s: u16, now_us: u64) -> Vec<u16> {

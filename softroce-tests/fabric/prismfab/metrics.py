@@ -131,7 +131,7 @@ def flow_balance(spec: TopologySpec, flows: dict[int, dict[tuple[str, str], int]
 
 
 _M64 = (1 << 64) - 1
-# prism-perf's SPARSE_SEED (examples/src/coll.rs): the sparse alltoall's pattern is fixed by it.
+# prism-perf's SPARSE_SEED (examples/src/coll/plan.rs): the sparse alltoall's pattern is fixed by it.
 SPARSE_SEED = 0x5eed_2026_0005
 
 
@@ -146,7 +146,7 @@ def _mix64(x: int) -> int:
 def sparse_len(src: int, dst: int, n: int, c: int) -> int:
     """Elements rank `src` sends to `dst` in prism-perf's alltoall_sparse (blocks of `c` elements): the
     other ranks ordered by a seeded hash, the k-th of the first ceil((n-1)/2) gets c // (k+1), the rest
-    nothing (a port of `sparse_len` in examples/src/coll.rs)."""
+    nothing (a port of `sparse_len` in examples/src/coll/plan.rs)."""
     if src == dst:
         return c
     key = lambda d: (_mix64(SPARSE_SEED ^ (src << 32) ^ d), d)  # noqa: E731

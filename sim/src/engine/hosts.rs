@@ -1,0 +1,416 @@
+//! The hosts' part of a run: every flow piece is a pair of `proto::Connection` ends (sender and
+//! receiver) fed with posted sends and receives; a NIC pulls datagrams from its ready connection ends
+//! round-robin and hands arriving datagrams to the end their token names.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::{Arc, Mutex};
+
+use prism_lb::{CcKind, FlowInfo, LbConfig, LbRuntime, MessageSample};
+use prism_transport::proto::{Completion, Connection, MsgId, PayloadSource, Placer, ProtoConfig, RecvSpec};
+use prism_transport::wire::{self, DataPacket, Header, PacketType, DATA_HEADER_LEN};
+
+use super::Sim;
+use crate::events::{Event, Ps, PS_PER_US};
+use crate::fabric::{Packet, PacketBody, PacketMeta, MAX_HDR};
+use crate::host::{locked, PacketAimd, SharedAimd, SharedRate, SimPolicy};
+use crate::scenario::{RateMode, SchemeSpec};
+
+/// Tokens are `TOKEN_BASE + endpoint index`: the receiving host demultiplexes by the token in the
+/// datagram, as the UDP engine does.
+const TOKEN_BASE: u64 = 0x5052_4953_4d00_0000;
+/// Receives posted ahead per connection (below `proto::MAX_OUTSTANDING_RECVS`).
+const RECV_AHEAD: usize = 48;
+/// Sends posted at once per connection.
+const SEND_AHEAD: usize = 48;
+
+/// The payload of a simulated send: its bytes are never looked at, so nothing is written.
+struct NoPayload;
+impl PayloadSource for NoPayload {
+    fn read(&mut self, _msg: MsgId, _offset: u64, _out: &mut [u8]) {}
+}
+
+/// Where a simulated receive's payload goes: nowhere (only its length travels through the fabric).
+struct DiscardPayload;
+impl Placer for DiscardPayload {
+    fn place(&mut self, _msg: MsgId, _sub: usize, _offset: u64, _data: &[u8]) {}
+}
+
+/// One end of a connection, on one NIC.
+pub(super) struct Endpoint {
+    conn: Connection,
+    nic: u32,
+    peer_nic: u32,
+    pair: u32,
+    sender: bool,
+    timer_at: Option<Ps>,
+    /// In its NIC's ready list.
+    in_ready: bool,
+    /// Highest DATA PSN received (reorder distances).
+    max_psn: Option<u64>,
+}
+
+/// Bytes of one transfer to move over one pair, ready from `ready_at`.
+#[derive(Clone, Copy)]
+pub(super) struct Piece {
+    pub(super) transfer: u32,
+    pub(super) bytes: u64,
+    pub(super) ready_at: Ps,
+}
+
+/// A flow piece's two connection ends and the sends and receives waiting for them.
+pub(super) struct Pair {
+    ep_send: u32,
+    ep_recv: u32,
+    pub(super) pending_send: VecDeque<Piece>,
+    pub(super) pending_recv: VecDeque<Piece>,
+    /// (message, bytes, posted at).
+    posted_send: VecDeque<(MsgId, u64, Ps)>,
+    /// (message, transfer, bytes).
+    posted_recv: VecDeque<(MsgId, u32, u64)>,
+    out_bytes: u64,
+    rate: Option<SharedRate>,
+    aimd: Option<SharedAimd>,
+    pub(super) pump_at: Option<Ps>,
+}
+
+/// Every host's load balancer and connections, and the NICs' ready lists.
+pub(super) struct Hosts {
+    pub(super) cfg: LbConfig,
+    pub(super) scheme: SchemeSpec,
+    proto: ProtoConfig,
+    pub(super) runtimes: Vec<LbRuntime>,
+    pub(super) eps: Vec<Endpoint>,
+    pub(super) pairs: Vec<Pair>,
+    /// (src, dst, rail, dst rail, pinned uplink or `u32::MAX`) → pair.
+    pair_index: HashMap<(u32, u32, u16, u16, u32), u32>,
+    /// Per NIC: the endpoints that may have a datagram to send, round-robin.
+    ready: Vec<VecDeque<u32>>,
+    txbuf: Vec<u8>,
+    rxbuf: Vec<u8>,
+}
+
+impl Hosts {
+    pub(super) fn new(
+        cfg: LbConfig,
+        scheme: SchemeSpec,
+        proto: ProtoConfig,
+        runtimes: Vec<LbRuntime>,
+        nics: usize,
+        payload: usize,
+    ) -> Self {
+        Self {
+            cfg,
+            scheme,
+            proto,
+            runtimes,
+            eps: Vec::new(),
+            pairs: Vec::new(),
+            pair_index: HashMap::new(),
+            ready: vec![VecDeque::new(); nics],
+            txbuf: vec![0; DATA_HEADER_LEN + payload + 64],
+            rxbuf: vec![0; DATA_HEADER_LEN + payload + 64],
+        }
+    }
+
+    /// Every connection end, for the protocol counters.
+    pub(super) fn connections(&self) -> impl Iterator<Item = &Connection> {
+        self.eps.iter().map(|e| &e.conn)
+    }
+}
+
+impl Sim {
+    /// The pair carrying `src`'s rail `rail` to `dst`'s rail `dst_rail`, pinned to uplink `pin`; made on
+    /// first use.
+    pub(super) fn pair_for(&mut self, src: u32, dst: u32, rail: u16, dst_rail: u16, pin: Option<u16>) -> u32 {
+        let h = &mut self.hosts;
+        let key = (src, dst, rail, dst_rail, pin.map_or(u32::MAX, u32::from));
+        if let Some(&p) = h.pair_index.get(&key) {
+            return p;
+        }
+        let idx = h.pairs.len() as u32;
+        let rate: Option<SharedRate> = (h.cfg.cc == CcKind::Mcc).then(|| Arc::new(Mutex::new(h.cfg.rate_controller())));
+        let aimd: Option<SharedAimd> = (h.scheme.rate == RateMode::PacketAimd)
+            .then(|| Arc::new(Mutex::new(PacketAimd::new(h.scheme.aimd_init_pkts.unwrap_or(h.proto.window_pkts), h.proto.window_pkts))));
+        let flow_seed = self.seed ^ (idx as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+        let policy = h.runtimes[src as usize].path_policy(FlowInfo { dst_host: dst as usize, rail }, flow_seed);
+        let send_policy = Box::new(SimPolicy::new(policy, pin, rate.clone(), aimd.clone()));
+        // The receiving end only sends control packets; its policy is never asked for data paths.
+        let recv_policy = Box::new(SimPolicy::new(
+            h.runtimes[dst as usize].path_policy(FlowInfo { dst_host: src as usize, rail }, flow_seed ^ 1),
+            None,
+            None,
+            None,
+        ));
+        let (es, er) = (h.eps.len() as u32, h.eps.len() as u32 + 1);
+        let rails = self.net.fab.rails as u32;
+        let src_nic = src * rails + rail as u32;
+        let dst_nic = dst * rails + dst_rail as u32;
+        let now_us = self.now / PS_PER_US;
+        let end = |conn, nic, peer_nic, sender| Endpoint {
+            conn,
+            nic,
+            peer_nic,
+            pair: idx,
+            sender,
+            timer_at: None,
+            in_ready: false,
+            max_psn: None,
+        };
+        let send = Connection::new(h.proto.clone(), TOKEN_BASE + es as u64, TOKEN_BASE + er as u64, send_policy, now_us);
+        h.eps.push(end(send, src_nic, dst_nic, true));
+        let recv = Connection::new(h.proto.clone(), TOKEN_BASE + er as u64, TOKEN_BASE + es as u64, recv_policy, now_us);
+        h.eps.push(end(recv, dst_nic, src_nic, false));
+        h.pairs.push(Pair {
+            ep_send: es,
+            ep_recv: er,
+            pending_send: VecDeque::new(),
+            pending_recv: VecDeque::new(),
+            posted_send: VecDeque::new(),
+            posted_recv: VecDeque::new(),
+            out_bytes: 0,
+            rate,
+            aimd,
+            pump_at: None,
+        });
+        h.pair_index.insert(key, idx);
+        idx
+    }
+
+    /// Post the pair's waiting receives, up to `RECV_AHEAD` outstanding.
+    pub(super) fn pump_recv(&mut self, pair: u32) {
+        let now_us = self.now_us();
+        let h = &mut self.hosts;
+        let p = &mut h.pairs[pair as usize];
+        let mut posted = false;
+        while p.posted_recv.len() < RECV_AHEAD {
+            let Some(piece) = p.pending_recv.front().copied() else {
+                break;
+            };
+            let ep = &mut h.eps[p.ep_recv as usize];
+            match ep.conn.post_recv(&[RecvSpec { len: piece.bytes, tag: 0 }], now_us) {
+                Ok(id) => {
+                    p.pending_recv.pop_front();
+                    p.posted_recv.push_back((id, piece.transfer, piece.bytes));
+                    posted = true;
+                }
+                Err(e) => {
+                    tracing::debug!("post_recv: {e}");
+                    break;
+                }
+            }
+        }
+        if posted {
+            let ep = p.ep_recv;
+            self.after_ep(ep);
+        }
+    }
+
+    /// Post the pair's waiting sends that are ready, up to `SEND_AHEAD` outstanding and within the MCC
+    /// window; wake the pair when the next one becomes ready.
+    pub(super) fn pump_send(&mut self, pair: u32) {
+        let now = self.now;
+        let now_us = self.now_us();
+        let h = &mut self.hosts;
+        let p = &mut h.pairs[pair as usize];
+        let window = p.rate.as_ref().map(|r| locked(r).window_bytes());
+        let mut posted = false;
+        while p.posted_send.len() < SEND_AHEAD {
+            let Some(piece) = p.pending_send.front().copied() else {
+                break;
+            };
+            if piece.ready_at > now {
+                if p.pump_at.is_none_or(|x| piece.ready_at < x) {
+                    p.pump_at = Some(piece.ready_at);
+                    self.q.push(piece.ready_at, Event::Pump { pair });
+                }
+                break;
+            }
+            if let Some(w) = window {
+                if p.out_bytes > 0 && p.out_bytes + piece.bytes > w {
+                    break;
+                }
+            }
+            let ep = &mut h.eps[p.ep_send as usize];
+            match ep.conn.post_send(piece.bytes, 0, now_us) {
+                Ok(id) => {
+                    p.pending_send.pop_front();
+                    p.posted_send.push_back((id, piece.bytes, now));
+                    p.out_bytes += piece.bytes;
+                    posted = true;
+                }
+                Err(e) => {
+                    tracing::debug!("post_send: {e}");
+                    break;
+                }
+            }
+        }
+        if posted {
+            let ep = p.ep_send;
+            self.after_ep(ep);
+        }
+    }
+
+    /// The protocol timer of endpoint `ep` fired (stale timers, re-armed earlier or later, are ignored).
+    pub(super) fn on_timer(&mut self, ep: u32) {
+        if self.hosts.eps[ep as usize].timer_at == Some(self.now) {
+            self.hosts.eps[ep as usize].timer_at = None;
+            let now_us = self.now_us();
+            self.hosts.eps[ep as usize].conn.handle_timeout(now_us);
+            self.after_ep(ep);
+        }
+    }
+
+    /// After anything happened to endpoint `ep`: handle its completions, re-arm its timer, and make sure
+    /// its NIC will ask it for datagrams.
+    fn after_ep(&mut self, ep: u32) {
+        while let Some(c) = self.hosts.eps[ep as usize].conn.poll_completion() {
+            self.on_completion(ep, c);
+        }
+        self.rearm(ep);
+        let e = &mut self.hosts.eps[ep as usize];
+        if !e.in_ready {
+            e.in_ready = true;
+            let nic = e.nic;
+            self.hosts.ready[nic as usize].push_back(ep);
+            let port = self.net.fab.nic_port[nic as usize];
+            if !self.net.fab.ports[port as usize].free_pending {
+                self.nic_pull(nic);
+            }
+        }
+    }
+
+    fn rearm(&mut self, ep: u32) {
+        let e = &mut self.hosts.eps[ep as usize];
+        if let Some(us) = e.conn.next_timeout() {
+            let at = (us * PS_PER_US).max(self.now);
+            if e.timer_at.is_none_or(|x| at < x) {
+                e.timer_at = Some(at);
+                self.q.push(at, Event::Timer { ep });
+            }
+        }
+    }
+
+    fn on_completion(&mut self, ep: u32, c: Completion) {
+        let pair = self.hosts.eps[ep as usize].pair;
+        match c {
+            Completion::Sent { msg, len } => {
+                let p = &mut self.hosts.pairs[pair as usize];
+                if let Some(i) = p.posted_send.iter().position(|x| x.0 == msg) {
+                    let (_, bytes, at) = p.posted_send.remove(i).expect("index from position");
+                    p.out_bytes -= bytes;
+                    if let Some(r) = &p.rate {
+                        locked(r).message_done(&MessageSample { bytes: len, sent_us: at / PS_PER_US, done_us: self.now / PS_PER_US });
+                    }
+                }
+                self.pump_send(pair);
+            }
+            Completion::Received { msg, sizes } => {
+                let p = &mut self.hosts.pairs[pair as usize];
+                if let Some(i) = p.posted_recv.iter().position(|x| x.0 == msg) {
+                    let (_, t, _) = p.posted_recv.remove(i).expect("index from position");
+                    self.transfer_received(t, sizes.iter().sum());
+                }
+                self.pump_recv(pair);
+            }
+            Completion::Failed { msg, error } => {
+                self.metrics.failed_requests += 1;
+                tracing::warn!(msg = msg.0, "request failed: {error}");
+            }
+        }
+    }
+
+    /// The NIC `nic` is free: send the next datagram of its connections, round-robin.
+    pub(super) fn nic_pull(&mut self, nic: u32) {
+        let port = self.net.fab.nic_port[nic as usize];
+        let now_us = self.now_us();
+        let h = &mut self.hosts;
+        while let Some(ep) = h.ready[nic as usize].pop_front() {
+            let e = &mut h.eps[ep as usize];
+            if e.sender {
+                if let Some(a) = &h.pairs[e.pair as usize].aimd {
+                    let cwnd = locked(a).window_pkts();
+                    let in_flight: u32 = e.conn.stats().paths.iter().map(|p| p.in_flight).sum();
+                    if in_flight >= cwnd {
+                        // Woken again by the next acknowledgement.
+                        e.in_ready = false;
+                        continue;
+                    }
+                }
+            }
+            let Some(t) = e.conn.poll_transmit(now_us, &mut NoPayload, &mut h.txbuf) else {
+                e.in_ready = false;
+                continue;
+            };
+            let len = t.len;
+            let data = matches!(Header::new_unchecked(&h.txbuf[..len]).packet_type(), Ok(PacketType::Data));
+            // Only a DATA packet's header is kept; control packets are kept whole.
+            let hdr_len = if data { DATA_HEADER_LEN } else { len };
+            // Receives are posted one buffer at a time, so a CTS (the longest control packet) has 44 bytes.
+            assert!(hdr_len <= MAX_HDR, "control packet of {len} bytes exceeds the simulator's {MAX_HDR}");
+            let mut hdr = [0u8; MAX_HDR];
+            hdr[..hdr_len].copy_from_slice(&h.txbuf[..hdr_len]);
+            let pkt = Packet {
+                meta: PacketMeta {
+                    src_nic: e.nic,
+                    dst_nic: e.peer_nic,
+                    wire_bytes: (len + self.net.overhead) as u32,
+                    entropy: t.entropy,
+                    data,
+                },
+                body: PacketBody { dgram_len: len as u32, hdr_len: hdr_len as u8, hdr },
+            };
+            h.ready[nic as usize].push_back(ep);
+            // A transmission only arms deadlines at least one minimum RTO away (RTO, CTS, probes) and
+            // clears the delayed-SACK one, so an armed timer within that horizon stays correct.
+            let horizon = self.now + h.proto.rto_min_us * PS_PER_US;
+            if h.eps[ep as usize].timer_at.is_none_or(|t| t > horizon) {
+                self.rearm(ep);
+            }
+            let id = self.net.pool.alloc(pkt);
+            self.metrics.created += 1;
+            self.start_tx(port, id);
+            return;
+        }
+    }
+
+    /// Packet `pkt` reached its destination NIC: hand it to the connection end its token names.
+    pub(super) fn deliver(&mut self, pkt: u32) {
+        self.metrics.delivered += 1;
+        let (dst_nic, data) = (self.net.pool.get(pkt).dst_nic, self.net.pool.get(pkt).data);
+        let h = &mut self.hosts;
+        let p = self.net.pool.body(pkt);
+        let ep = wire::peek_token(p.hdr_bytes())
+            .and_then(|t| t.checked_sub(TOKEN_BASE))
+            .filter(|&i| (i as usize) < h.eps.len() && h.eps[i as usize].nic == dst_nic);
+        let Some(ep) = ep else {
+            self.net.pool.release(pkt);
+            return;
+        };
+        let ep = ep as u32;
+        let len = p.dgram_len as usize;
+        h.rxbuf[..p.hdr_bytes().len()].copy_from_slice(p.hdr_bytes());
+        if data {
+            let psn = DataPacket::new_unchecked(p.hdr_bytes()).psn();
+            let e = &mut h.eps[ep as usize];
+            match e.max_psn {
+                Some(m) if psn < m => self.metrics.record_reorder(m - psn),
+                _ => {
+                    e.max_psn = Some(psn);
+                    self.metrics.record_reorder(0);
+                }
+            }
+        }
+        self.net.pool.release(pkt);
+        let now_us = self.now_us();
+        let e = &mut self.hosts.eps[ep as usize];
+        e.conn.handle_datagram(&self.hosts.rxbuf[..len], now_us, &mut DiscardPayload);
+        self.after_ep(ep);
+        // An acknowledgement may open the window of a gated sender or the MCC window of its pair.
+        if self.hosts.eps[ep as usize].sender {
+            let pair = self.hosts.eps[ep as usize].pair;
+            if self.hosts.pairs[pair as usize].rate.is_some() {
+                self.pump_send(pair);
+            }
+        }
+    }
+}
