@@ -108,7 +108,9 @@ fn seed_002_pro_keeps_the_largest_queue_far_below_random_spraying() {
 fn seed_003_mcc_keeps_throughput_under_partial_congestion_where_per_packet_cc_overreacts() {
     let r = ci("003-mcc");
     let (mcc, pkt) = (cct(&r, "REPS + MCC", true), cct(&r, "REPS + per-packet CC", true));
-    assert!(mcc < 0.9 * pkt, "seed {}: MCC {mcc} µs vs per-packet CC {pkt} µs", r.runs[0].seed);
+    // (Per-packet CC's gap narrowed from over 10 % to about 8 % once losses were recovered in round
+    // trips instead of by RTOs: part of MCC's advantage was per-packet CC's timeouts.)
+    assert!(mcc < 0.95 * pkt, "seed {}: MCC {mcc} µs vs per-packet CC {pkt} µs", r.runs[0].seed);
 }
 
 #[test]

@@ -510,7 +510,10 @@ fn reordering_and_duplication_deliver_intact_bytes_and_count_every_duplicate() {
 }
 
 #[test]
-fn reorder_threshold_grows_when_reordering_exceeds_it() {
+fn reordering_far_beyond_the_count_threshold_alone_resends_almost_nothing() {
+    // 40 µs of jitter at 100 Gbit/s reorders hundreds of PSNs, far beyond a count threshold of 4; the
+    // count only speeds up a loss the time-based rule already expects (the packet is overdue), so
+    // reordering alone costs at most a few spurious retransmissions, not one per reordered packet.
     seeded(22, |seed| {
         let cfg = ProtoConfig { reorder_threshold: 4, ..ProtoConfig::default() };
         let l = Link { jitter_us: 40, ..Link::default() };
@@ -519,8 +522,10 @@ fn reorder_threshold_grows_when_reordering_exceeds_it() {
         sim.run_until(60_000_000, |s| all_done(s, &posted));
         verify(&sim, &posted);
         let st = sim.stats(A);
-        assert!(st.spurious_retransmissions > 0, "40 µs of jitter at 100 Gbit/s reorders far more than 4 PSNs");
-        assert!(st.reorder_threshold > 4, "threshold stayed at {}", st.reorder_threshold);
+        let reordered = sim.stats(B).data_pkts_received;
+        assert!(reordered > 500, "{reordered} packets");
+        assert!(st.retransmissions * 100 <= reordered, "{} retransmissions of {reordered} packets without loss", st.retransmissions);
+        assert_eq!(st.timeouts, 0);
     });
 }
 

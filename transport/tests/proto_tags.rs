@@ -357,8 +357,10 @@ fn random_tags_group_shapes_and_posting_orders_land_in_order_per_tag() {
             }
         }
     }
-    // The runs went past both limits and retried (the `Full` path is exercised, not just the easy one).
-    assert!(single || (send_retries > 0 && recv_retries > 0), "retries: {send_retries} sends, {recv_retries} receives");
+    // The runs went past the receive limit and retried (the `Full` path is exercised, not just the easy
+    // one); whether sends pile up past theirs depends on how fast losses are recovered, so the send
+    // limit has its own test (`more_sends_than_fit_are_refused_as_full_retried_and_all_land`).
+    assert!(single || recv_retries > 0, "retries: {send_retries} sends, {recv_retries} receives");
 }
 
 #[test]

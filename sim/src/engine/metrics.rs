@@ -41,6 +41,15 @@ pub struct ProtoTotals {
     pub timeouts: u64,
     /// Losses declared by the reorder threshold.
     pub reorder_losses: u64,
+    /// Losses declared by the time-based rule (RACK).
+    #[serde(default)]
+    pub time_losses: u64,
+    /// Losses declared by a retransmission timeout.
+    #[serde(default)]
+    pub timeout_losses: u64,
+    /// Tail-loss probes sent.
+    #[serde(default)]
+    pub tail_probes: u64,
     /// Retransmissions found needless.
     pub spurious_retransmissions: u64,
     /// Duplicate DATA packets received.
@@ -294,6 +303,9 @@ impl Sim {
             pt.retransmissions += s.retransmissions;
             pt.timeouts += s.timeouts;
             pt.reorder_losses += s.reorder_losses;
+            pt.time_losses += s.time_losses;
+            pt.timeout_losses += s.timeout_losses;
+            pt.tail_probes += s.tail_probes;
             pt.spurious_retransmissions += s.spurious_retransmissions;
             pt.duplicates += s.duplicates;
             pt.cts_retransmitted += s.cts_retransmitted;

@@ -83,7 +83,7 @@ pub struct Connection {
     pub(super) completions: VecDeque<Completion>,
     life: Life,
     /// Latest time seen; the caller's clock is taken as monotonic even if it is not.
-    now: Micros,
+    pub(super) now: Micros,
     pub(super) last_heard: Micros,
     /// Since when requests have been outstanding (silence before that does not count).
     work_since: Option<Micros>,
@@ -372,7 +372,7 @@ impl Connection {
 
     fn on_path_timers(&mut self, now: Micros) {
         if self.work_since.is_some() {
-            self.paths.on_timers(now, self.ctl_rtt.rto_us(), &mut self.stats.paths);
+            self.paths.on_timers(now, self.ctl_rtt.rto_us(), self.last_heard, &mut self.stats.paths);
         }
     }
 

@@ -245,6 +245,15 @@ impl Paths {
         }
     }
 
+    /// Transmission `tx_seq` on alive path `e` is overdue while later packets on other paths arrived:
+    /// suspect (avoided and probed) unless the path delivered a later packet of its own.
+    pub(crate) fn overdue(&mut self, e: u16, tx_seq: u64, now: Micros, ps: &mut [PathStats]) {
+        let p = &self.list[e as usize];
+        if p.health == PathHealth::Alive && p.delivered_tx_end <= tx_seq {
+            self.set_health(e, PathHealth::Suspect, now, ps);
+        }
+    }
+
     /// A PONG answered a probe on `e`: it works.
     pub(crate) fn pong(&mut self, e: u16, now: Micros, ps: &mut [PathStats]) {
         let Some(p) = self.list.get_mut(e as usize) else { return };
@@ -363,7 +372,9 @@ impl Paths {
 
     /// Run the probe timers: an unanswered probe makes a suspect path dead and backs off a dead one's
     /// next probe; the longest-waiting dead path whose probe time came gets one, paced per connection.
-    pub(crate) fn on_timers(&mut self, now: Micros, probe_wait: Micros, ps: &mut [PathStats]) {
+    /// A probe unanswered while nothing at all was heard from the peer since it left (`last_heard`)
+    /// says nothing about the path: the peer stalled; it is simply sent again.
+    pub(crate) fn on_timers(&mut self, now: Micros, probe_wait: Micros, last_heard: Micros, ps: &mut [PathStats]) {
         if self.dead == 0 && self.suspect == 0 {
             return;
         }
@@ -375,7 +386,10 @@ impl Paths {
                 (PathHealth::Alive, _) => {}
                 (health, Probe::Sent(at)) if at.saturating_add(probe_wait) <= now => {
                     p.probe = Probe::Idle;
-                    if health == PathHealth::Dead {
+                    if last_heard <= at && health == PathHealth::Suspect {
+                        p.probe = Probe::Due;
+                        self.probes_due.push_back(e);
+                    } else if health == PathHealth::Dead {
                         p.revive_wait = wait.saturating_mul(2).min(self.path_revive_us.max(wait));
                         p.bad_since = now;
                     } else {

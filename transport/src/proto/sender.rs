@@ -111,9 +111,10 @@ pub(crate) struct TxState {
     pub(crate) rack_rtt_us: u64,
     /// Smallest RTT sample of the connection.
     pub(crate) min_rtt_us: Option<u64>,
-    /// The reordering window's factor (of min RTT / 4) and the losses found since a spurious one.
+    /// The reordering window's factor (of min RTT / 4).
     pub(crate) reo_mult: u32,
-    pub(crate) losses_since_spurious: u32,
+    /// When a loss last turned out spurious.
+    pub(crate) last_spurious_at: Micros,
     /// When the earliest packet sent before RACK's reference becomes overdue.
     pub(crate) rack_timer: Option<Micros>,
     /// The tail-loss probe: measured from the last transmission or acknowledgement; due to go out.
@@ -166,7 +167,7 @@ impl TxState {
             rack_rtt_us: 0,
             min_rtt_us: None,
             reo_mult: 1,
-            losses_since_spurious: 0,
+            last_spurious_at: 0,
             rack_timer: None,
             tlp_base: 0,
             tlp_count: 0,
