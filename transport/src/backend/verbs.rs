@@ -36,6 +36,7 @@ use sideway::ibverbs::queue_pair::{
 };
 use sideway::ibverbs::AccessFlags;
 
+pub use crate::wire::RailPeer;
 use crate::wire::{DataPacket, Header, PacketType, DATA_HEADER_LEN};
 
 /// Bytes of one send or receive ring slot: the largest control packet (a keyed CTS) fits.
@@ -441,53 +442,6 @@ struct Qp {
     /// completes in order).
     write_psns: std::collections::VecDeque<u64>,
     stats: QpStats,
-}
-
-/// Connection data of one side's QPs on one rail, exchanged over the TCP handshake.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct RailPeer {
-    /// The side's GID.
-    pub gid: [u8; 16],
-    /// (QP number, first PSN) per entropy.
-    pub qps: Vec<(u32, u32)>,
-}
-
-impl RailPeer {
-    /// Bytes `encode` writes.
-    pub fn encoded_len(&self) -> usize {
-        18 + 8 * self.qps.len()
-    }
-
-    /// Append the wire form: GID, QP count (u16), (qpn, psn) pairs; big-endian.
-    pub fn encode(&self, out: &mut Vec<u8>) {
-        out.extend_from_slice(&self.gid);
-        out.extend_from_slice(&(self.qps.len() as u16).to_be_bytes());
-        for &(qpn, psn) in &self.qps {
-            out.extend_from_slice(&qpn.to_be_bytes());
-            out.extend_from_slice(&psn.to_be_bytes());
-        }
-    }
-
-    /// Parse one rail from the front of `b`; returns it and the bytes consumed.
-    pub fn decode(b: &[u8]) -> Option<(Self, usize)> {
-        if b.len() < 18 {
-            return None;
-        }
-        let mut gid = [0u8; 16];
-        gid.copy_from_slice(&b[..16]);
-        let n = u16::from_be_bytes([b[16], b[17]]) as usize;
-        let need = 18 + 8 * n;
-        if b.len() < need {
-            return None;
-        }
-        let qps = (0..n)
-            .map(|i| {
-                let o = 18 + 8 * i;
-                (u32::from_be_bytes(b[o..o + 4].try_into().expect("4")), u32::from_be_bytes(b[o + 4..o + 8].try_into().expect("4")))
-            })
-            .collect();
-        Some((Self { gid, qps }, need))
-    }
 }
 
 /// What a receive completion brought.
@@ -1062,17 +1016,6 @@ mod tests {
         let mut c: MrCache<u32> = MrCache::default();
         assert!(c.acquire(0x1000, 1, || Err::<u32, _>("EFAULT")).is_err());
         assert!(c.is_empty());
-    }
-
-    #[test]
-    fn rail_peer_round_trips_and_rejects_short_input() {
-        let p = RailPeer { gid: [7; 16], qps: vec![(0x11, 0xabcdef), (0x12, 1)] };
-        let mut b = Vec::new();
-        p.encode(&mut b);
-        assert_eq!(b.len(), p.encoded_len());
-        assert_eq!(RailPeer::decode(&b), Some((p.clone(), b.len())));
-        assert_eq!(RailPeer::decode(&b[..b.len() - 1]), None);
-        assert_eq!(RailPeer::decode(&b[..17]), None);
     }
 
     #[test]

@@ -10,13 +10,9 @@
 //! `64..72` the connect state key (0 until `connect` first runs; NCCL passes the same handle on every
 //! retry, so the state of a connect in progress is found through it).
 //!
-//! HELLO (connect → listener) and its reply have one layout (144 bytes, big-endian): `0..4` magic,
-//! `4` version, `5` status (0 = ok), `6` number of rails, `7` backend (0 = UDP, 1 = verbs), `8..16`
-//! listen nonce, `16..24` the sender's connection token, `24..28` the sender's topology host id,
-//! `28..32` length of the block that follows the 144 bytes (0 on UDP, at most 1 MiB), `32..40` echo
-//! (in a reply: the token of the HELLO it answers; 0 in a HELLO), `40` kind (1 = HELLO, 2 = reply),
-//! `41..48` zero, `48..144` up to 16 rails as (IPv4, UDP port). Rails pair by index (rail r talks to
-//! the peer's rail r), as in rail-optimised fabrics.
+//! HELLO (connect → listener) and its reply have one layout, [`crate::wire::hello`] (144 bytes: kind,
+//! status, backend, nonce, token, host id, echo, block length, up to 16 rails as (IPv4, UDP port)).
+//! Rails pair by index (rail r talks to the peer's rail r), as in rail-optimised fabrics.
 //!
 //! Both ends prove whom they talk to: the listener takes only a HELLO with its nonce, the connector
 //! only a reply with that nonce that echoes its token. A connect retried against a listener that is
@@ -25,7 +21,7 @@
 //! got that far the connector would read its own HELLO, which is not a reply.
 //!
 //! On verbs the block after the 144 bytes carries, per rail, the GID and every QP's number and first
-//! PSN (`vcomm::encode_peers`); both ends create their QPs before they write their HELLO and connect
+//! PSN ([`crate::wire::verbs_block`]); both ends create their QPs before they write their HELLO and connect
 //! them once they have read the peer's.
 
 use std::collections::HashMap;
@@ -45,25 +41,22 @@ use super::config::{QpType, Transport};
 use super::planned::{PlannedPaths, Plans, SharedRate};
 use super::progress::Progress;
 use super::rail::Rail;
-use super::vcomm::{decode_peers, encode_peers, VerbsComm};
+use super::vcomm::VerbsComm;
 use super::{device, sysfs, DeviceInfo, TransportConfig, TransportError, HANDLE_LEN};
 use crate::backend::udp::{UdpRail, BATCH};
 use crate::backend::verbs::{self, VerbsDevice};
 use crate::proto::{Connection, ProtoConfig};
-use crate::wire;
+use crate::wire::{
+    self, HelloBackend, HelloKind, HelloPacket, HelloRepr, VerbsBlock, VerbsBlockRepr, HELLO_LEN, HELLO_MAX_BLOCK, HELLO_MAX_RAILS,
+    HELLO_VERSION,
+};
 
-const MAGIC: &[u8; 4] = b"PRSM";
-const VERSION: u8 = 4;
-const HELLO_LEN: usize = 144;
+/// The handle shares the HELLO's magic and version.
+const MAGIC: &[u8; 4] = wire::hello::HELLO_MAGIC;
+const VERSION: u8 = HELLO_VERSION;
 /// Largest verbs block after a HELLO.
-const MAX_EXT: usize = 1 << 20;
-const MAX_RAILS: usize = 16;
-const RAILS_OFF: usize = 48;
-const ECHO_OFF: usize = 32;
-const KIND_OFF: usize = 40;
-/// `kind` of a HELLO (connect → listener) and of its reply.
-const KIND_HELLO: u8 = 1;
-const KIND_REPLY: u8 = 2;
+const MAX_EXT: usize = HELLO_MAX_BLOCK;
+const MAX_RAILS: usize = HELLO_MAX_RAILS;
 const STAGE_OFF: usize = 64;
 
 /// State every comm shares: configuration, clock, rails, statistics of closed comms.
@@ -142,100 +135,72 @@ impl NetInner {
         VerbsComm::create(&devs, self.cfg.paths, self.cfg.qp == QpType::Rc, token, self.proto.max_payload, connector).map(Some)
     }
 
+    /// This engine's backend, as a HELLO names it.
+    fn hello_backend(&self) -> HelloBackend {
+        if self.is_verbs() {
+            HelloBackend::Verbs
+        } else {
+            HelloBackend::Udp
+        }
+    }
+
     /// Our half of a handshake message: rails, token, host id, and the verbs block if any; `echo` is
     /// the token of the HELLO a reply answers.
-    fn hello(&self, kind: u8, status: u8, nonce: u64, token: u64, echo: u64, verbs: Option<&VerbsComm>) -> Vec<u8> {
-        let ext = verbs.map(|v| encode_peers(&v.local())).unwrap_or_default();
-        let mut m = vec![0u8; HELLO_LEN];
-        m[0..4].copy_from_slice(MAGIC);
-        m[4] = VERSION;
-        m[5] = status;
-        m[6] = self.rails.len() as u8;
-        m[7] = u8::from(self.is_verbs());
-        m[28..32].copy_from_slice(&(ext.len() as u32).to_be_bytes());
-        m[8..16].copy_from_slice(&nonce.to_be_bytes());
-        m[16..24].copy_from_slice(&token.to_be_bytes());
-        m[24..28].copy_from_slice(&self.host_id.to_be_bytes());
-        m[ECHO_OFF..ECHO_OFF + 8].copy_from_slice(&echo.to_be_bytes());
-        m[KIND_OFF] = kind;
-        for (i, r) in self.rails.iter().enumerate() {
-            let o = RAILS_OFF + 6 * i;
-            m[o..o + 4].copy_from_slice(&r.addr.octets());
-            m[o + 4..o + 6].copy_from_slice(&r.port().to_be_bytes());
-        }
-        m.extend_from_slice(&ext);
-        m
+    fn hello(
+        &self,
+        kind: HelloKind,
+        status: u8,
+        nonce: u64,
+        token: u64,
+        echo: u64,
+        verbs: Option<&VerbsComm>,
+    ) -> Result<Vec<u8>, TransportError> {
+        let block = verbs.map(|v| VerbsBlockRepr { rails: v.local() }.to_vec()).unwrap_or_default();
+        let rails: Vec<SocketAddrV4> = self.rails.iter().map(|r| SocketAddrV4::new(r.addr, r.port())).collect();
+        // At most 16 rails (checked when the engine starts, so this cannot fail) and a block far below 4 GiB.
+        let repr = HelloRepr::new(kind, status, self.hello_backend(), nonce, token, self.host_id, echo, block.len() as u32, &rails)
+            .map_err(|e| TransportError::Config(format!("handshake: {e}")))?;
+        let mut m = repr.to_vec();
+        m.extend_from_slice(&block);
+        Ok(m)
     }
 
     /// Check the peer's backend and connect our QPs to its (verbs).
-    fn join(&self, h: &Hello, ext: &[u8], verbs: &mut Option<VerbsComm>) -> Result<(), TransportError> {
-        let ours = u8::from(self.is_verbs());
+    fn join(&self, h: &HelloRepr, block: &[u8], verbs: &mut Option<VerbsComm>) -> Result<(), TransportError> {
+        let ours = self.hello_backend();
         if h.backend != ours {
-            let name = |b: u8| if b == 1 { "verbs" } else { "udp" };
             return Err(TransportError::ConnectionFailed(format!(
                 "the peer uses the {} backend, this end {} (set the same PRISM_TRANSPORT on both)",
-                name(h.backend),
-                name(ours)
+                h.backend.name(),
+                ours.name()
             )));
         }
         if let Some(v) = verbs.as_mut() {
-            v.connect(&decode_peers(ext)?)?;
+            let peers = VerbsBlock::new_checked(block)
+                .and_then(|b| VerbsBlockRepr::parse(&b))
+                .map_err(|e| TransportError::ConnectionFailed(format!("bad verbs handshake block: {e}")))?;
+            v.connect(&peers.rails)?;
         }
         Ok(())
     }
 }
 
-/// The peer's half of a handshake, checked.
-struct Hello {
-    kind: u8,
-    echo: u64,
-    status: u8,
-    backend: u8,
-    ext_len: usize,
-    nonce: u64,
-    token: u64,
-    host: u32,
-    rails: Vec<SocketAddrV4>,
+/// The peer's half of a handshake, checked (only its first [`HELLO_LEN`] bytes are read).
+fn parse_hello(m: &[u8]) -> Result<HelloRepr, TransportError> {
+    let p = HelloPacket::new_checked(m).map_err(|e| match e {
+        wire::WireError::BadField { field: "hello version", value } => {
+            TransportError::ConnectionFailed(format!("peer speaks handshake version {value} (this Prism: {HELLO_VERSION})"))
+        }
+        e => TransportError::ConnectionFailed(format!("bad handshake: {e}")),
+    })?;
+    HelloRepr::parse(&p).map_err(|e| TransportError::ConnectionFailed(format!("bad handshake: {e}")))
 }
 
-fn parse_hello(m: &[u8]) -> Result<Hello, TransportError> {
-    if m.len() < HELLO_LEN {
-        return Err(TransportError::ConnectionFailed("short handshake".into()));
+/// Tell a refused connector so (best effort: it fails on its own timeout otherwise).
+fn refuse(inner: &NetInner, sock: &Socket) {
+    if let Ok(m) = inner.hello(HelloKind::Reply, 1, 0, 0, 0, None) {
+        let _ = (&*sock).write(&m);
     }
-    if &m[0..4] != MAGIC {
-        return Err(TransportError::ConnectionFailed("handshake without Prism's magic".into()));
-    }
-    if m[4] != VERSION {
-        return Err(TransportError::ConnectionFailed(format!("peer speaks handshake version {} (this Prism: {VERSION})", m[4])));
-    }
-    let n = m[6] as usize;
-    if n == 0 || n > MAX_RAILS {
-        return Err(TransportError::ConnectionFailed(format!("peer announced {n} rails (1 to {MAX_RAILS} allowed)")));
-    }
-    let rails = (0..n)
-        .map(|i| {
-            let o = RAILS_OFF + 6 * i;
-            SocketAddrV4::new(Ipv4Addr::new(m[o], m[o + 1], m[o + 2], m[o + 3]), u16::from_be_bytes([m[o + 4], m[o + 5]]))
-        })
-        .collect();
-    let ext_len = u32::from_be_bytes(m[28..32].try_into().expect("4 bytes")) as usize;
-    if ext_len > MAX_EXT || m[7] > 1 {
-        return Err(TransportError::ConnectionFailed(format!("handshake announces backend {} and a {ext_len}-byte block", m[7])));
-    }
-    if m[KIND_OFF] != KIND_HELLO && m[KIND_OFF] != KIND_REPLY {
-        return Err(TransportError::ConnectionFailed(format!("handshake message of unknown kind {}", m[KIND_OFF])));
-    }
-    Ok(Hello {
-        kind: m[KIND_OFF],
-        echo: u64::from_be_bytes(m[ECHO_OFF..ECHO_OFF + 8].try_into().expect("8 bytes")),
-        status: m[5],
-        backend: m[7],
-        ext_len,
-        nonce: u64::from_be_bytes(m[8..16].try_into().expect("8 bytes")),
-        token: u64::from_be_bytes(m[16..24].try_into().expect("8 bytes")),
-        host: u32::from_be_bytes(m[24..28].try_into().expect("4 bytes")),
-        rails,
-    })
 }
 
 /// A fresh random connection token (never 0, which marks "none").
@@ -496,7 +461,7 @@ impl Net {
             let token = new_token();
             let nonce = u64::from_be_bytes(handle[12..20].try_into().expect("8 bytes"));
             let verbs = self.inner.verbs_comm(token, true)?;
-            let out = self.inner.hello(KIND_HELLO, 0, nonce, token, 0, verbs.as_ref());
+            let out = self.inner.hello(HelloKind::Hello, 0, nonce, token, 0, verbs.as_ref())?;
             let sock = start_tcp_connect(target, rail.addr)?;
             let key = self.next_stage.fetch_add(1, Ordering::Relaxed);
             handle[STAGE_OFF..STAGE_OFF + 8].copy_from_slice(&key.to_be_bytes());
@@ -591,8 +556,8 @@ impl Net {
                             // in a reply that proves it comes from our listener (anything else is
                             // judged on its 144 bytes by `finish_connect`).
                             let h = parse_hello(&pc.inp)?;
-                            if h.kind == KIND_REPLY && h.status == 0 && h.nonce == pc.nonce && h.echo == pc.token {
-                                pc.inp.resize(HELLO_LEN + h.ext_len, 0);
+                            if h.kind == HelloKind::Reply && h.status == 0 && h.nonce == pc.nonce && h.echo == pc.token {
+                                pc.inp.resize(HELLO_LEN + h.block_len as usize, 0);
                             }
                         }
                         if got == pc.inp.len() {
@@ -618,12 +583,12 @@ impl Net {
 
     fn finish_connect(&self, pc: &mut PendingConnect) -> Result<Option<SendComm>, TransportError> {
         let h = parse_hello(&pc.inp)?;
-        if h.kind == KIND_HELLO && h.token == pc.token {
+        if h.kind == HelloKind::Hello && h.token == pc.token {
             // Our own HELLO came back: the socket talks to itself.
             pc.self_connects += 1;
             return self.retry(pc, "the handshake read back its own HELLO (the socket connected to itself)");
         }
-        if h.kind != KIND_REPLY {
+        if h.kind != HelloKind::Reply {
             return Err(TransportError::ConnectionFailed(format!("{} answered the handshake with a HELLO, not a reply", pc.target)));
         }
         if h.status != 0 {
@@ -640,8 +605,9 @@ impl Net {
         let plans = Plans::default();
         let rate: SharedRate = Arc::new(Mutex::new(self.inner.lb_rt.rate_controller()));
         let conn = self.inner.connection(pc.token, h.token, h.host, home, &plans, &rate);
-        tracing::info!(rail = %self.inner.rails[pc.dev].info.name, peer = %h.rails[0], rails = h.rails.len(), "send comm connected");
-        let core = CommCore::new(self.inner.clone(), conn, pc.token, h.rails, h.host, home, plans, rate, "send", pc.verbs.take());
+        tracing::info!(rail = %self.inner.rails[pc.dev].info.name, peer = %h.rails()[0], rails = h.rails().len(), "send comm connected");
+        let core =
+            CommCore::new(self.inner.clone(), conn, pc.token, h.rails().to_vec(), h.host, home, plans, rate, "send", pc.verbs.take());
         Ok(Some(SendComm::new(self.inner.adopt(core))))
     }
 
@@ -794,7 +760,7 @@ struct PendingAccept {
     inp: [u8; HELLO_LEN],
     got: usize,
     /// The verified HELLO, once its 144 bytes are in.
-    hello: Option<Hello>,
+    hello: Option<HelloRepr>,
     /// Its verbs block (allocated once verified and within the listener's budget).
     ext: Vec<u8>,
     /// Bytes of `EXT_BUDGET` this handshake holds.
@@ -960,20 +926,25 @@ impl Listener {
                 if p.got < HELLO_LEN {
                     return Ok(None);
                 }
-                let ours = u8::from(self.inner.is_verbs());
+                let ours = self.inner.hello_backend();
                 match parse_hello(&p.inp) {
                     // The block is verbs-only; a HELLO for the other backend is refused before it.
-                    Ok(h) if h.kind == KIND_HELLO && h.nonce == self.nonce && h.backend == ours && (ours == 1 || h.ext_len == 0) => {
+                    Ok(h)
+                        if h.kind == HelloKind::Hello
+                            && h.nonce == self.nonce
+                            && h.backend == ours
+                            && (ours == HelloBackend::Verbs || h.block_len == 0) =>
+                    {
                         p.hello = Some(h)
                     }
-                    Ok(h) if h.kind == KIND_HELLO && h.nonce == self.nonce && h.backend != ours => {
+                    Ok(h) if h.kind == HelloKind::Hello && h.nonce == self.nonce && h.backend != ours => {
                         let mut none = None;
                         let e = self.inner.join(&h, &[], &mut none).err().unwrap_or(TransportError::ConnectionFailed("backend".into()));
-                        let _ = (&p.sock).write(&self.inner.hello(KIND_REPLY, 1, 0, 0, 0, None)[..HELLO_LEN]);
+                        refuse(&self.inner, &p.sock);
                         return Err(Refused::Rejected(e));
                     }
                     Ok(_) | Err(_) => {
-                        let _ = (&p.sock).write(&self.inner.hello(KIND_REPLY, 1, 0, 0, 0, None)[..HELLO_LEN]);
+                        refuse(&self.inner, &p.sock);
                         return Err(Refused::Rejected(TransportError::BadHandle(format!(
                             "HELLO from {} does not match this listener",
                             p.from
@@ -981,7 +952,7 @@ impl Listener {
                     }
                 }
             }
-            let ext_len = p.hello.as_ref().map_or(0, |h| h.ext_len);
+            let ext_len = p.hello.as_ref().map_or(0, |h| h.block_len as usize);
             if p.ext.len() < ext_len {
                 if p.reserved == 0 {
                     if self.ext_held + ext_len > EXT_BUDGET {
@@ -1007,12 +978,12 @@ impl Listener {
             let mut verbs = self.inner.verbs_comm(token, false).map_err(Refused::Rejected)?;
             self.inner.join(&h, &p.ext, &mut verbs).map_err(Refused::Rejected)?;
             p.ext = Vec::new();
-            let reply = self.inner.hello(KIND_REPLY, 0, self.nonce, token, h.token, verbs.as_ref());
+            let reply = self.inner.hello(HelloKind::Reply, 0, self.nonce, token, h.token, verbs.as_ref()).map_err(Refused::Rejected)?;
             // Registered before the reply leaves, so the sender's first datagram finds its comm.
             let plans = Plans::default();
             let rate: SharedRate = Arc::new(Mutex::new(self.inner.lb_rt.rate_controller()));
             let conn = self.inner.connection(token, h.token, h.host, self.dev, &plans, &rate);
-            let core = CommCore::new(self.inner.clone(), conn, token, h.rails, h.host, self.dev, plans, rate, "recv", verbs);
+            let core = CommCore::new(self.inner.clone(), conn, token, h.rails().to_vec(), h.host, self.dev, plans, rate, "recv", verbs);
             let comm = RecvComm::new(self.inner.adopt(core));
             p.reply = Some((reply, 0, comm));
         }

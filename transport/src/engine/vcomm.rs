@@ -10,19 +10,14 @@
 use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 use std::sync::Arc;
 
-use super::revive::{self, Action, Parsed, QpCtl, Revive};
+use super::revive::{self, Action, QpCtlRx, Revive};
 use super::TransportError;
 use crate::backend::verbs::{MrKeys, PostFail, QpSet, QpStats, RailPeer, RxEvent, VerbsDevice, VerbsError, SLOT_BYTES};
 use crate::proto::{Connection, MsgId, PayloadSource, Placer};
 use crate::wire::{CtsKeys, CtsPacket, CtsRepr, DataPacket, DataRepr, Header, PacketType, CTS_MAX_KEY_RAILS, DATA_HEADER_LEN};
+use crate::wire::{FenceKind, FencePacket, FenceRepr, QpCtlRepr, QP_CTL_LEN};
 
-/// FENCE packets (engine level, never given to proto): `magic "PFNC"`, kind (1 = FENCE: no WRITE to
-/// this buffer is left in the sender's queues; 2 = FENCE_REQ: the receiver asks again), sub, 2 bytes 0,
-/// cts_seq (u64, big-endian).
-const FENCE_MAGIC: &[u8; 4] = b"PFNC";
-const FENCE_LEN: usize = 16;
-const FENCE: u8 = 1;
-const FENCE_REQ: u8 = 2;
+/// FENCE packets (engine level, never given to proto): see [`crate::wire::fence`].
 /// The receiver asks again for a FENCE it has waited this long for (µs).
 const FENCE_REQ_US: u64 = 20_000;
 /// ... and gives up waiting after this long (µs): a peer that answers nothing writes nothing either.
@@ -30,20 +25,9 @@ const FENCE_GIVE_UP_US: u64 = 2_000_000;
 /// FENCEs the sender remembers (to answer repeated requests).
 const FENCES_KEPT: usize = 4096;
 
-fn fence_packet(kind: u8, cts_seq: u64, sub: u8) -> [u8; FENCE_LEN] {
-    let mut b = [0u8; FENCE_LEN];
-    b[..4].copy_from_slice(FENCE_MAGIC);
-    b[4] = kind;
-    b[5] = sub;
-    b[8..16].copy_from_slice(&cts_seq.to_be_bytes());
-    b
-}
-
-fn parse_fence(b: &[u8]) -> Option<(u8, u64, u8)> {
-    if b.len() != FENCE_LEN || &b[..4] != FENCE_MAGIC || !matches!(b[4], FENCE | FENCE_REQ) {
-        return None;
-    }
-    Some((b[4], u64::from_be_bytes(b[8..16].try_into().ok()?), b[5]))
+/// The FENCE in `b`, or None when `b` is not a (well-formed) FENCE.
+fn parse_fence(b: &[u8]) -> Option<FenceRepr> {
+    FencePacket::new_checked(b).and_then(|p| FenceRepr::parse(&p)).ok()
 }
 
 /// A receive proto finished whose completion waits for the sender's FENCEs.
@@ -148,7 +132,7 @@ pub(crate) struct VerbsComm {
     msg_target: HashMap<MsgId, (u64, u8)>,
     fence_wait: HashSet<(u64, u8)>,
     fenced: VecDeque<(u64, u8)>,
-    fence_out: VecDeque<[u8; FENCE_LEN]>,
+    fence_out: VecDeque<FenceRepr>,
     fence_rr: usize,
     /// Sends done whose registrations wait for their last WRITE to leave the send queue.
     release_later: HashMap<(u64, u8), MsgId>,
@@ -157,7 +141,7 @@ pub(crate) struct VerbsComm {
     held: Vec<Held>,
     /// Re-creation state per QP, indexed rail * paths + q; our control packets waiting for a live QP.
     revive: Vec<Revive>,
-    ctl_out: VecDeque<[u8; revive::QPCTL_LEN]>,
+    ctl_out: VecDeque<[u8; QP_CTL_LEN]>,
     /// This end connected (its REQs win when both ends ask at once).
     connector: bool,
     /// Per rail: QPs are being re-created (for one info log per rail event).
@@ -182,35 +166,6 @@ impl Drop for VerbsComm {
             }
         }
     }
-}
-
-/// The handshake's verbs block: `[rails u8][3 reserved]`, then per rail a [`RailPeer`].
-pub(crate) fn encode_peers(peers: &[RailPeer]) -> Vec<u8> {
-    let mut out = vec![peers.len() as u8, 0, 0, 0];
-    for p in peers {
-        p.encode(&mut out);
-    }
-    out
-}
-
-/// Parse the handshake's verbs block; every byte must be accounted for.
-pub(crate) fn decode_peers(b: &[u8]) -> Result<Vec<RailPeer>, TransportError> {
-    let bad = |why: &str| TransportError::ConnectionFailed(format!("bad verbs handshake block: {why}"));
-    if b.len() < 4 {
-        return Err(bad("shorter than its header"));
-    }
-    let n = b[0] as usize;
-    let mut at = 4;
-    let mut out = Vec::with_capacity(n);
-    for _ in 0..n {
-        let (p, used) = RailPeer::decode(&b[at..]).ok_or_else(|| bad("truncated rail"))?;
-        at += used;
-        out.push(p);
-    }
-    if at != b.len() {
-        return Err(bad("trailing bytes"));
-    }
-    Ok(out)
 }
 
 impl VerbsComm {
@@ -357,13 +312,13 @@ impl VerbsComm {
                         fences.push(f);
                         return;
                     }
-                    match revive::parse(b, nrails, paths) {
-                        Parsed::Other => {}
-                        Parsed::Bad => {
+                    match revive::classify(b, nrails, paths) {
+                        QpCtlRx::NotCtl => {}
+                        QpCtlRx::Bad => {
                             counters.qp_ctl_dropped += 1;
                             return;
                         }
-                        Parsed::Ctl(c) => {
+                        QpCtlRx::Ctl(c) => {
                             counters.qp_ctl_received += 1;
                             ctls.push(c);
                             return;
@@ -385,12 +340,12 @@ impl VerbsComm {
         for psn in done_psns {
             self.write_done(psn);
         }
-        for (kind, cts_seq, sub) in fences {
-            if kind == FENCE {
+        for FenceRepr { kind, cts_seq, sub } in fences {
+            if kind == FenceKind::Fence {
                 self.counters.fences_received += 1;
                 self.fences_got.insert((cts_seq, sub));
             } else if self.fenced.contains(&(cts_seq, sub)) {
-                self.fence_out.push_back(fence_packet(FENCE, cts_seq, sub));
+                self.fence_out.push_back(FenceRepr { kind: FenceKind::Fence, cts_seq, sub });
             }
         }
         for c in ctls {
@@ -414,7 +369,7 @@ impl VerbsComm {
                 let act = self.revive[r * paths + q].tick(now, dead, active);
                 match act {
                     Action::Reset => self.start_recreate(r, q, now),
-                    Action::Send(c) => self.ctl_out.push_back(c.encode()),
+                    Action::Send(c) => self.ctl_out.push_back(c.to_bytes()),
                     _ => {}
                 }
             }
@@ -447,7 +402,7 @@ impl VerbsComm {
         match self.reset_qp(r, q) {
             Ok((qpn, psn)) => {
                 let req = self.revive[i].asking(now, qpn, psn);
-                self.ctl_out.push_back(req.encode());
+                self.ctl_out.push_back(req.to_bytes());
             }
             Err(e) => {
                 tracing::debug!(rail = r, q, "QP reset failed: {e}");
@@ -458,7 +413,7 @@ impl VerbsComm {
     }
 
     /// A REQ or ACK from the peer.
-    fn on_ctl(&mut self, c: &QpCtl, now: u64) {
+    fn on_ctl(&mut self, c: &QpCtlRepr, now: u64) {
         let (r, q) = (c.rail as usize, c.q as usize);
         let i = r * self.paths as usize + q;
         let (act, stale) = self.revive[i].on_ctl(c, self.connector);
@@ -466,14 +421,14 @@ impl VerbsComm {
             self.counters.qp_ctl_dropped += 1;
         }
         match act {
-            Action::Send(a) => self.ctl_out.push_back(a.encode()),
+            Action::Send(a) => self.ctl_out.push_back(a.to_bytes()),
             Action::ResetAndConnect { qpn, psn } => {
                 let res = self.reset_qp(r, q).and_then(|(lqpn, lpsn)| self.rails[r].reconnect_qp(q, qpn, psn).map(|()| (lqpn, lpsn)));
                 match res {
                     Ok((lqpn, lpsn)) => {
                         self.counters.qp_recreated += 1;
                         let ack = self.revive[i].answered(c, lqpn, lpsn);
-                        self.ctl_out.push_back(ack.encode());
+                        self.ctl_out.push_back(ack.to_bytes());
                     }
                     Err(e) => {
                         tracing::debug!(rail = r, q, "QP re-creation for the peer failed: {e}");
@@ -555,7 +510,7 @@ impl VerbsComm {
         while self.fenced.len() > FENCES_KEPT {
             self.fenced.pop_front();
         }
-        self.fence_out.push_back(fence_packet(FENCE, t.0, t.1));
+        self.fence_out.push_back(FenceRepr { kind: FenceKind::Fence, cts_seq: t.0, sub: t.1 });
     }
 
     /// Proto completed send `msg` (every byte acknowledged): its FENCE goes out once none of its
@@ -610,7 +565,7 @@ impl VerbsComm {
             if now.saturating_sub(h.asked) > FENCE_REQ_US {
                 h.asked = now;
                 for &(c, s) in &h.need {
-                    self.fence_out.push_back(fence_packet(FENCE_REQ, c, s));
+                    self.fence_out.push_back(FenceRepr { kind: FenceKind::Request, cts_seq: c, sub: s });
                     self.counters.fence_requests += 1;
                 }
             }
@@ -622,11 +577,11 @@ impl VerbsComm {
     /// Send queued FENCE packets on a live QP (rotating over rails and QPs).
     fn flush_fences(&mut self) {
         while let Some(f) = self.fence_out.front().copied() {
-            let posted = self.post_on_live_qp(&f);
+            let posted = self.post_on_live_qp(&f.to_bytes());
             if !posted {
                 return;
             }
-            if f[4] == FENCE {
+            if f.kind == FenceKind::Fence {
                 self.counters.fences_sent += 1;
             }
             self.fence_out.pop_front();
@@ -745,38 +700,4 @@ fn keyed_cts(b: &[u8]) -> Option<CtsRepr> {
         return None;
     }
     CtsPacket::new_checked(b).and_then(|p| CtsRepr::parse(&p)).ok().filter(|c| c.keys.is_some())
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn fence_packets_round_trip_and_nothing_else_parses_as_one() {
-        let f = fence_packet(FENCE, 0x0102_0304_0506_0708, 7);
-        assert_eq!(parse_fence(&f), Some((FENCE, 0x0102_0304_0506_0708, 7)));
-        assert_eq!(parse_fence(&fence_packet(FENCE_REQ, 3, 0)), Some((FENCE_REQ, 3, 0)));
-        assert_eq!(parse_fence(&f[..FENCE_LEN - 1]), None);
-        let mut bad = f;
-        bad[4] = 9;
-        assert_eq!(parse_fence(&bad), None);
-        // A proto packet starts with its version byte (1), never with the magic.
-        let mut ctl = [0u8; crate::wire::CONTROL_LEN];
-        crate::wire::ControlRepr { token: 1, cts_ack: 0, kind: crate::wire::ControlKind::Ack, entropy: 0, ts_us: 0, cum_psn: 0 }
-            .emit(&mut crate::wire::ControlPacket::new_unchecked(&mut ctl[..]));
-        assert_eq!(parse_fence(&ctl), None);
-    }
-
-    #[test]
-    fn handshake_block_round_trips_and_rejects_garbage() {
-        let peers =
-            vec![RailPeer { gid: [1; 16], qps: vec![(0x11, 5), (0x12, 6)] }, RailPeer { gid: [2; 16], qps: vec![(0x21, 7), (0x22, 8)] }];
-        let b = encode_peers(&peers);
-        assert_eq!(decode_peers(&b).unwrap(), peers);
-        assert!(decode_peers(&b[..b.len() - 1]).is_err());
-        let mut long = b.clone();
-        long.push(0);
-        assert!(decode_peers(&long).is_err());
-        assert!(decode_peers(&[]).is_err());
-    }
 }
