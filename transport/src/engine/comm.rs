@@ -7,9 +7,10 @@ use std::sync::Arc;
 
 use parking_lot::Mutex;
 
-use super::net::NetInner;
 use super::planned::{ChunkMap, Plans, SharedRate};
+use super::progress::Driven;
 use super::rail::{Datagram, Inbox};
+use super::shared::NetInner;
 use super::vcomm::VerbsComm;
 use super::{RecvBuf, ReqId, SendBuf, TransportError, MAX_RECVS, MAX_RECV_REQUESTS, MAX_SEND_REQUESTS};
 use crate::backend::udp::BATCH;
@@ -483,6 +484,28 @@ impl CommCore {
 
 /// A comm as the engine's progress thread and its owner share it.
 pub(crate) type SharedCore = Arc<Mutex<CommCore>>;
+
+/// Wrap a new comm so that both its owner and the progress thread can drive it.
+pub(super) fn adopt(net: &Arc<NetInner>, core: CommCore) -> SharedCore {
+    let shared = Arc::new(Mutex::new(core));
+    net.progress.adopt(net, &shared);
+    shared
+}
+
+impl Driven for CommCore {
+    fn is_closed(&self) -> bool {
+        CommCore::is_closed(self)
+    }
+    fn owner_active(&self, now: u64, window_us: u64) -> bool {
+        CommCore::owner_active(self, now, window_us)
+    }
+    fn progress(&mut self) {
+        CommCore::progress(self)
+    }
+    fn next_wake(&self) -> Option<u64> {
+        CommCore::next_wake(self)
+    }
+}
 
 /// Close a comm from its owner's thread and let the engine stop its progress thread if it was the last.
 fn close_shared(core: &SharedCore) {
