@@ -32,16 +32,21 @@ enum Outcome {
     Failed(MsgError),
 }
 
-/// State shared by send and receive comms.
-pub(crate) struct CommCore {
-    net: Arc<NetInner>,
-    conn: Connection,
+/// Who the comm talks to, as the handshake settled it.
+struct Ident {
+    /// Our connection token (the peer's datagrams carry it).
     token: u64,
     /// The peer's rails, paired by index with ours.
     peer_rails: Vec<SocketAddrV4>,
     peer_host: u32,
     /// The NCCL device this comm was opened on.
     home: u16,
+    /// "send" or "recv" (logs, statistics).
+    role: &'static str,
+}
+
+/// The load balancer's side of the comm.
+struct LbState {
     plans: Plans,
     /// `PRISM_CC`: sets the in-flight window from message and packet delays.
     rate: SharedRate,
@@ -49,36 +54,88 @@ pub(crate) struct CommCore {
     posted_at: HashMap<MsgId, u64>,
     /// Bytes planned onto each rail (stats).
     rail_bytes: Vec<u64>,
+}
+
+/// Datagrams the rails demultiplexed to this comm.
+struct Rx {
     inbox: Arc<Inbox>,
     incoming: Vec<Datagram>,
+    /// Datagrams from an address other than the peer's (dropped).
+    wrong_peer: u64,
+}
+
+/// The requests NCCL posted: their buffers, their outcomes, the ids NCCL holds.
+struct Requests {
     sends: HashMap<MsgId, Box<dyn SendBuf>>,
     recvs: HashMap<MsgId, Vec<Box<dyn RecvBuf>>>,
     done: HashMap<MsgId, Outcome>,
     /// Request ids NCCL holds, and the message each one stands for.
-    reqs: HashMap<ReqId, MsgId>,
-    next_req: u32,
+    ids: HashMap<ReqId, MsgId>,
+    next_id: u32,
     /// Requests posted after the connection died (they fail when tested).
     dead_posts: u64,
-    tx: Vec<Vec<u8>>,
-    tx_meta: Vec<(u16, usize)>,
-    tx_by_rail: Vec<Vec<(u16, usize)>>,
-    /// Datagrams from an address other than the peer's (dropped).
-    wrong_peer: u64,
-    role: &'static str,
+}
+
+/// This comm's part in the path board (see `board`).
+struct BoardState {
+    /// Last publication: when, and the DATA packets sent by then.
+    at_us: u64,
+    data_pkts: u64,
+    /// Control packets moved off a path a sending comm to the same peer does not trust.
+    steered: u64,
+}
+
+/// The per-comm half of the rail backend (`rail::RailBackend`).
+enum CommBackend {
+    /// UDP: datagrams are built into these buffers and sent per rail (sendmmsg).
+    Udp(UdpTx),
+    /// Verbs: the comm's QPs and the registrations of its outstanding buffers.
+    Verbs(Box<VerbsComm>),
+    /// After `shutdown` (the QPs and registrations are gone).
+    Closed,
+}
+
+impl CommBackend {
+    fn verbs(&self) -> Option<&VerbsComm> {
+        match self {
+            CommBackend::Verbs(v) => Some(v),
+            _ => None,
+        }
+    }
+    fn verbs_mut(&mut self) -> Option<&mut VerbsComm> {
+        match self {
+            CommBackend::Verbs(v) => Some(v),
+            _ => None,
+        }
+    }
+}
+
+/// Transmit buffers of a UDP comm.
+struct UdpTx {
+    bufs: Vec<Vec<u8>>,
+    /// (entropy, length) of each filled buffer.
+    meta: Vec<(u16, usize)>,
+    /// Per rail: (socket, buffer index) to send.
+    by_rail: Vec<Vec<(u16, usize)>>,
+}
+
+/// State shared by send and receive comms.
+pub(crate) struct CommCore {
+    net: Arc<NetInner>,
+    conn: Connection,
+    id: Ident,
+    lb: LbState,
+    rx: Rx,
+    requests: Requests,
+    backend: CommBackend,
+    board: BoardState,
     closed: bool,
     /// When the owner (NCCL's thread) last drove this comm; the progress thread leaves it alone
     /// while the owner is active.
     owner_active_us: u64,
-    /// Last publication to the path board: when, and the DATA packets sent by then.
-    board_at_us: u64,
-    board_data_pkts: u64,
-    /// Control packets moved off a path a sending comm to the same peer does not trust.
-    steered: u64,
     /// Request failures logged at WARN so far: the first of a comm says what happened, the rest
     /// (every other request of a comm whose peer went away fails the same way) go to DEBUG.
     failures_warned: u32,
-    /// The verbs side (verbs backend only).
-    verbs: Option<VerbsComm>,
 }
 
 struct Sources<'a>(&'a HashMap<MsgId, Box<dyn SendBuf>>);
@@ -128,40 +185,34 @@ impl CommCore {
             rail.register(token, inbox.clone());
         }
         let max_dgram = net.rails.iter().map(|r| r.max_datagram).min().unwrap_or(0);
-        let ntx = if verbs.is_some() { 0 } else { BATCH };
-        let tx = (0..ntx).map(|_| vec![0u8; max_dgram]).collect();
         let nrails = net.rails.len();
+        let backend = match verbs {
+            Some(v) => CommBackend::Verbs(Box::new(v)),
+            None => CommBackend::Udp(UdpTx {
+                bufs: (0..BATCH).map(|_| vec![0u8; max_dgram]).collect(),
+                meta: Vec::with_capacity(BATCH),
+                by_rail: vec![Vec::with_capacity(BATCH); nrails],
+            }),
+        };
         Self {
             net,
             conn,
-            token,
-            peer_rails,
-            peer_host,
-            home,
-            plans,
-            rate,
-            posted_at: HashMap::new(),
-            rail_bytes: vec![0; nrails],
-            inbox,
-            incoming: Vec::new(),
-            sends: HashMap::new(),
-            recvs: HashMap::new(),
-            done: HashMap::new(),
-            reqs: HashMap::new(),
-            next_req: 1,
-            dead_posts: 0,
-            tx,
-            tx_meta: Vec::with_capacity(BATCH),
-            tx_by_rail: vec![Vec::with_capacity(BATCH); nrails],
-            wrong_peer: 0,
-            role,
+            id: Ident { token, peer_rails, peer_host, home, role },
+            lb: LbState { plans, rate, posted_at: HashMap::new(), rail_bytes: vec![0; nrails] },
+            rx: Rx { inbox, incoming: Vec::new(), wrong_peer: 0 },
+            requests: Requests {
+                sends: HashMap::new(),
+                recvs: HashMap::new(),
+                done: HashMap::new(),
+                ids: HashMap::new(),
+                next_id: 1,
+                dead_posts: 0,
+            },
+            backend,
+            board: BoardState { at_us: 0, data_pkts: 0, steered: 0 },
             closed: false,
             owner_active_us: 0,
-            board_at_us: 0,
-            board_data_pkts: 0,
-            steered: 0,
             failures_warned: 0,
-            verbs,
         }
     }
 
@@ -196,31 +247,31 @@ impl CommCore {
             return;
         }
         let now = self.net.now_us();
-        if let Some(v) = self.verbs.as_mut() {
+        if let Some(v) = self.backend.verbs_mut() {
             v.poll(&mut self.conn, now);
         }
         for rail in &self.net.rails {
             rail.poll_rx();
         }
-        self.inbox.drain(&mut self.incoming);
+        self.rx.inbox.drain(&mut self.rx.incoming);
         {
-            let mut sinks = Sinks(&mut self.recvs);
-            for d in &self.incoming {
-                if !self.peer_rails.iter().any(|p| p.ip() == d.src.ip()) {
-                    self.wrong_peer += 1;
+            let mut sinks = Sinks(&mut self.requests.recvs);
+            for d in &self.rx.incoming {
+                if !self.id.peer_rails.iter().any(|p| p.ip() == d.src.ip()) {
+                    self.rx.wrong_peer += 1;
                     continue;
                 }
                 self.conn.handle_datagram(&d.buf[..d.len], now, &mut sinks);
             }
         }
-        if !self.incoming.is_empty() {
-            self.net.rails[0].recycle(self.incoming.drain(..).map(|d| d.buf));
+        if !self.rx.incoming.is_empty() {
+            self.net.rails[0].recycle(self.rx.incoming.drain(..).map(|d| d.buf));
         }
         if self.conn.poll_timeout().is_some_and(|t| t <= now) {
             self.conn.handle_timeout(now);
         }
         let mut comps: Vec<Completion> = std::iter::from_fn(|| self.conn.poll_completion()).collect();
-        if let Some(v) = self.verbs.as_mut() {
+        if let Some(v) = self.backend.verbs_mut() {
             // On verbs a receive is reported only once the sender said that none of its WRITEs can
             // still land in the buffer (FENCE); sends tell the receiver so.
             comps = comps
@@ -241,9 +292,9 @@ impl CommCore {
         for c in comps {
             let (msg, outcome) = match c {
                 Completion::Sent { msg, len } => {
-                    if let Some(sent_us) = self.posted_at.remove(&msg) {
+                    if let Some(sent_us) = self.lb.posted_at.remove(&msg) {
                         let sample = prism_lb::MessageSample { bytes: len, sent_us, done_us: now };
-                        self.rate.lock().message_done(&sample);
+                        self.lb.rate.lock().message_done(&sample);
                     }
                     (msg, Outcome::Sent(len))
                 }
@@ -254,21 +305,21 @@ impl CommCore {
                 }
             };
             // The buffers belong to NCCL again once the request is done.
-            if let Some(v) = self.verbs.as_mut() {
+            if let Some(v) = self.backend.verbs_mut() {
                 v.release(msg);
             }
-            self.sends.remove(&msg);
-            self.recvs.remove(&msg);
-            self.plans.lock().remove(&msg.0);
-            self.posted_at.remove(&msg);
-            self.done.insert(msg, outcome);
+            self.requests.sends.remove(&msg);
+            self.requests.recvs.remove(&msg);
+            self.lb.plans.lock().remove(&msg.0);
+            self.lb.posted_at.remove(&msg);
+            self.requests.done.insert(msg, outcome);
         }
         self.apply_rate();
     }
 
     /// Turn the rate controller's byte window into proto's packet window (never above `PRISM_WINDOW`).
     fn apply_rate(&mut self) {
-        let bytes = self.rate.lock().window_bytes();
+        let bytes = self.lb.rate.lock().window_bytes();
         let pkt = self.net.proto.max_payload.max(1) as u64;
         let pkts = (bytes / pkt).clamp(1, u64::from(self.net.cfg.window_pkts)) as u32;
         if pkts != self.conn.window_pkts() {
@@ -279,14 +330,14 @@ impl CommCore {
     /// A comm that sends DATA tells the others which of its paths it trusts (see `board`).
     fn publish_paths(&mut self, now: u64) {
         let sent = self.conn.stats().data_pkts_sent;
-        if sent == self.board_data_pkts || now.saturating_sub(self.board_at_us) < BOARD_EVERY_US {
+        if sent == self.board.data_pkts || now.saturating_sub(self.board.at_us) < BOARD_EVERY_US {
             return;
         }
-        self.board_at_us = now;
-        self.board_data_pkts = sent;
+        self.board.at_us = now;
+        self.board.data_pkts = sent;
         let paths = self.net.cfg.paths;
-        let rails = self.net.rails.len().min(self.peer_rails.len());
-        for (rail, dest) in self.peer_rails.iter().enumerate().take(rails) {
+        let rails = self.net.rails.len().min(self.id.peer_rails.len());
+        for (rail, dest) in self.id.peer_rails.iter().enumerate().take(rails) {
             let good = (0..paths).map(|i| self.conn.path_preferred(rail as u16 * paths + i)).collect();
             self.net.board.publish(*dest, good, now);
         }
@@ -310,47 +361,50 @@ impl CommCore {
     }
 
     fn transmit(&mut self, now: u64) {
-        if let Some(v) = self.verbs.as_mut() {
-            v.transmit(&mut self.conn, now);
-            return;
-        }
+        let tx = match &mut self.backend {
+            CommBackend::Udp(tx) => tx,
+            CommBackend::Verbs(v) => return v.transmit(&mut self.conn, now),
+            CommBackend::Closed => return,
+        };
+        let UdpTx { bufs, meta, by_rail } = tx;
+        let peer_rails = &self.id.peer_rails;
         for _ in 0..MAX_TX_BATCHES {
-            self.tx_meta.clear();
-            let mut src = Sources(&self.sends);
-            for buf in self.tx.iter_mut() {
+            meta.clear();
+            let mut src = Sources(&self.requests.sends);
+            for buf in bufs.iter_mut() {
                 match self.conn.poll_transmit(now, &mut src, buf) {
-                    Some(t) => self.tx_meta.push((t.entropy, t.len)),
+                    Some(t) => meta.push((t.entropy, t.len)),
                     None => break,
                 }
             }
-            if self.tx_meta.is_empty() {
+            if meta.is_empty() {
                 return;
             }
             // Entropies are rail-major: entropy e leaves rail e / paths from its socket e % paths,
             // towards the peer's rail of the same index.
             let paths = self.net.cfg.paths;
-            for v in &mut self.tx_by_rail {
+            for v in by_rail.iter_mut() {
                 v.clear();
             }
-            for (k, &(e, _)) in self.tx_meta.iter().enumerate() {
-                let rail = (e / paths) as usize % self.tx_by_rail.len();
-                let dest = self.peer_rails[rail % self.peer_rails.len()];
-                let sock = Self::steer(&self.net.board, dest, e % paths, &self.tx[k][..self.tx_meta[k].1], now);
-                self.steered += u64::from(sock != e % paths);
-                self.tx_by_rail[rail].push((sock, k));
+            for (k, &(e, len)) in meta.iter().enumerate() {
+                let rail = (e / paths) as usize % by_rail.len();
+                let dest = peer_rails[rail % peer_rails.len()];
+                let sock = Self::steer(&self.net.board, dest, e % paths, &bufs[k][..len], now);
+                self.board.steered += u64::from(sock != e % paths);
+                by_rail[rail].push((sock, k));
             }
-            for (rail, items) in self.tx_by_rail.iter().enumerate() {
+            for (rail, items) in by_rail.iter().enumerate() {
                 if items.is_empty() {
                     continue;
                 }
-                let dest = self.peer_rails[rail % self.peer_rails.len()];
-                let pkts: Vec<(u16, &[u8])> = items.iter().map(|&(e, k)| (e, &self.tx[k][..self.tx_meta[k].1])).collect();
-                let Some(udp) = &self.net.rails[rail].udp else { continue };
+                let dest = peer_rails[rail % peer_rails.len()];
+                let pkts: Vec<(u16, &[u8])> = items.iter().map(|&(e, k)| (e, &bufs[k][..meta[k].1])).collect();
+                let Some(udp) = self.net.rails[rail].backend.udp() else { continue };
                 if let Err(e) = udp.send(dest, &pkts) {
-                    tracing::warn!(role = self.role, peer = %dest, "sendmmsg failed: {e}");
+                    tracing::warn!(role = self.id.role, peer = %dest, "sendmmsg failed: {e}");
                 }
             }
-            if self.tx_meta.len() < BATCH {
+            if meta.len() < BATCH {
                 return;
             }
         }
@@ -360,9 +414,9 @@ impl CommCore {
     /// closed with 64 requests in flight logs one line, not 64).
     fn log_failure(&mut self, what: std::fmt::Arguments<'_>) {
         if self.failures_warned == 0 {
-            tracing::warn!(role = self.role, peer = %self.peer_rails[0], "{what} (further failures of this comm are logged at DEBUG)");
+            tracing::warn!(role = self.id.role, peer = %self.id.peer_rails[0], "{what} (further failures of this comm are logged at DEBUG)");
         } else {
-            tracing::debug!(role = self.role, peer = %self.peer_rails[0], "{what}");
+            tracing::debug!(role = self.id.role, peer = %self.id.peer_rails[0], "{what}");
         }
         self.failures_warned = self.failures_warned.saturating_add(1);
     }
@@ -375,13 +429,13 @@ impl CommCore {
         match e {
             PostError::Full => Ok(None),
             PostError::Dead(err) => {
-                if self.reqs.len() >= limit {
+                if self.requests.ids.len() >= limit {
                     return Ok(None);
                 }
                 self.log_failure(format_args!("{what} on a dead connection: accepted, it fails when tested ({err})"));
-                let msg = MsgId(DEAD_POST | self.dead_posts);
-                self.dead_posts += 1;
-                self.done.insert(msg, Outcome::Failed(err));
+                let msg = MsgId(DEAD_POST | self.requests.dead_posts);
+                self.requests.dead_posts += 1;
+                self.requests.done.insert(msg, Outcome::Failed(err));
                 Ok(Some(self.new_req(msg)))
             }
             other => Err(TransportError::InvalidArgument(other.to_string())),
@@ -393,16 +447,16 @@ impl CommCore {
         if len == 0 {
             return;
         }
-        let req = prism_lb::SendReq { dst_host: self.peer_host as usize, len, flow: self.token, home_rail: self.home };
+        let req = prism_lb::SendReq { dst_host: self.id.peer_host as usize, len, flow: self.id.token, home_rail: self.id.home };
         match self.net.lb_rt.plan(&req, now) {
             Ok(plan) => {
                 let map = ChunkMap::from_plan(&plan);
                 for (rail, bytes) in map.rails() {
-                    if let Some(b) = self.rail_bytes.get_mut(rail as usize) {
+                    if let Some(b) = self.lb.rail_bytes.get_mut(rail as usize) {
                         *b += bytes;
                     }
                 }
-                self.plans.lock().insert(msg.0, map);
+                self.lb.plans.lock().insert(msg.0, map);
             }
             Err(e) => tracing::warn!("no plan for a {len}-byte message ({e}); it stays on its own rail"),
         }
@@ -410,7 +464,7 @@ impl CommCore {
 
     /// On the verbs backend a buffer must have an address (RDMA reads or writes it in place).
     fn verbs_addr(&self, addr: Option<usize>, len: usize) -> Result<Option<usize>, TransportError> {
-        if self.verbs.is_none() {
+        if self.backend.verbs().is_none() {
             return Ok(None);
         }
         match addr {
@@ -421,43 +475,43 @@ impl CommCore {
     }
 
     fn new_req(&mut self, msg: MsgId) -> ReqId {
-        let id = ReqId(self.next_req);
-        self.next_req = self.next_req.wrapping_add(1).max(1);
-        self.reqs.insert(id, msg);
+        let id = ReqId(self.requests.next_id);
+        self.requests.next_id = self.requests.next_id.wrapping_add(1).max(1);
+        self.requests.ids.insert(id, msg);
         id
     }
 
     /// Progress, then the outcome of `req` if it is done (the request is then forgotten).
     fn test(&mut self, req: ReqId) -> Result<Option<Outcome>, TransportError> {
-        let msg = *self.reqs.get(&req).ok_or(TransportError::UnknownRequest(req.0))?;
+        let msg = *self.requests.ids.get(&req).ok_or(TransportError::UnknownRequest(req.0))?;
         self.owner_progress();
-        let out = self.done.remove(&msg);
+        let out = self.requests.done.remove(&msg);
         if out.is_some() {
-            self.reqs.remove(&req);
+            self.requests.ids.remove(&req);
         }
         Ok(out)
     }
 
     /// The rate controller's name, state and the window it sets, under one lock.
     fn rate_stats(&self) -> serde_json::Value {
-        let rate = self.rate.lock();
+        let rate = self.lb.rate.lock();
         serde_json::json!({ "controller": rate.name(), "window_pkts": self.conn.window_pkts(), "state": rate.describe_state() })
     }
 
     /// Final statistics of this comm, but for its connection's (`record_stats` takes those apart).
     fn stats(&self) -> serde_json::Value {
         serde_json::json!({
-            "role": self.role,
-            "rail": self.net.rails[self.home as usize].info.name,
-            "peer": self.peer_rails[0].to_string(),
-            "peer_host": self.peer_host,
+            "role": self.id.role,
+            "rail": self.net.rails[self.id.home as usize].info.name,
+            "peer": self.id.peer_rails[0].to_string(),
+            "peer_host": self.id.peer_host,
             "paths_per_rail": self.net.cfg.paths,
-            "planned_bytes_per_rail": self.rail_bytes,
+            "planned_bytes_per_rail": self.lb.rail_bytes,
             "rate": self.rate_stats(),
-            "wrong_peer_dropped": self.wrong_peer,
-            "control_steered": self.steered,
-            "backend": if self.verbs.is_some() { "verbs" } else { "udp" },
-            "verbs": self.verbs.as_ref().map(VerbsComm::stats),
+            "wrong_peer_dropped": self.rx.wrong_peer,
+            "control_steered": self.board.steered,
+            "backend": self.net.backend_name(),
+            "verbs": self.backend.verbs().map(VerbsComm::stats),
         })
     }
 
@@ -472,13 +526,13 @@ impl CommCore {
         self.transmit(now);
         self.closed = true;
         for rail in &self.net.rails {
-            rail.unregister(self.token);
+            rail.unregister(self.id.token);
         }
         self.net.record_stats(self.stats(), self.conn.stats());
-        self.sends.clear();
-        self.recvs.clear();
+        self.requests.sends.clear();
+        self.requests.recvs.clear();
         // Registrations go with the QPs (VerbsComm's drop releases what is still held).
-        self.verbs = None;
+        self.backend = CommBackend::Closed;
     }
 }
 
@@ -548,7 +602,7 @@ impl SendComm {
         let addr = core.verbs_addr(buf.addr(), buf.len())?;
         match core.conn.post_send(buf.len() as u64, tag, now) {
             Ok(msg) => {
-                if let (Some(v), Some(a)) = (core.verbs.as_mut(), addr) {
+                if let (Some(v), Some(a)) = (core.backend.verbs_mut(), addr) {
                     if let Err(e) = v.register(msg, &[(a, buf.len())]) {
                         // proto has the send already; it cannot be moved without its memory.
                         core.conn.close(now);
@@ -556,8 +610,8 @@ impl SendComm {
                     }
                 }
                 core.plan(msg, buf.len() as u64, now);
-                core.posted_at.insert(msg, now);
-                core.sends.insert(msg, buf);
+                core.lb.posted_at.insert(msg, now);
+                core.requests.sends.insert(msg, buf);
                 core.owner_progress();
                 Ok(Some(core.new_req(msg)))
             }
@@ -612,14 +666,14 @@ impl RecvComm {
         }
         match core.conn.post_recv(&specs, now) {
             Ok(msg) => {
-                if let Some(v) = core.verbs.as_mut() {
+                if let Some(v) = core.backend.verbs_mut() {
                     v.recv_posted(msg);
                     if let Err(e) = v.register(msg, &ranges) {
                         core.conn.close(now);
                         return Err(e);
                     }
                 }
-                core.recvs.insert(msg, bufs.into_iter().map(|(b, _)| b).collect());
+                core.requests.recvs.insert(msg, bufs.into_iter().map(|(b, _)| b).collect());
                 core.owner_progress();
                 Ok(Some(core.new_req(msg)))
             }

@@ -16,7 +16,7 @@ use super::config::{QpType, Transport};
 use super::handshake::{io_err, new_token, write_handle, Connector};
 use super::listener::Listener;
 use super::progress::Progress;
-use super::rail::Rail;
+use super::rail::{Rail, RailBackend};
 use super::shared::{HandshakeStats, NetInner};
 use super::{device, sysfs, DeviceInfo, TransportConfig, TransportError, HANDLE_LEN};
 use crate::backend::udp::{UdpRail, BATCH};
@@ -94,7 +94,7 @@ impl Net {
                 let payload = payload - payload % wire::LINE_BYTES;
                 min_dgram = min_dgram.min(wire::MAX_HEADER_LEN + payload);
                 let addr = d.ipv4;
-                rails.push(Arc::new(Rail::new(info, None, Some(Arc::new(d)), addr, min_dgram)));
+                rails.push(Arc::new(Rail::new(info, RailBackend::Verbs(Arc::new(d)), addr, min_dgram)));
             }
         }
         let devices = if rails.is_empty() { device::discover(&cfg.ifnames)? } else { Vec::new() };
@@ -114,7 +114,7 @@ impl Net {
                 rail = %info.name, addr = %addr, port = udp.rail_port(), paths = udp.paths(), max_datagram = max_dgram,
                 "rail ready: {} source ports, one per entropy", udp.paths()
             );
-            rails.push(Arc::new(Rail::new(info, Some(udp), None, addr, max_dgram)));
+            rails.push(Arc::new(Rail::new(info, RailBackend::Udp(udp), addr, max_dgram)));
         }
         if rails.len() > MAX_RAILS {
             return Err(TransportError::Config(format!("PRISM_IFNAMES: {} rails, at most {MAX_RAILS}", rails.len())));
@@ -163,11 +163,7 @@ impl Net {
 
     /// The backend moving the packets: "verbs" or "udp".
     pub fn backend(&self) -> &'static str {
-        if self.inner.is_verbs() {
-            "verbs"
-        } else {
-            "udp"
-        }
+        self.inner.backend_name()
     }
 
     /// Register `addr..addr + len` on every verbs rail (NCCL's `regMr`); nothing on UDP. Repeated
@@ -176,10 +172,10 @@ impl Net {
     pub fn reg_mr(&self, addr: usize, len: usize) -> Result<(), TransportError> {
         let mut done: Vec<&Arc<Rail>> = Vec::new();
         for r in &self.inner.rails {
-            if let Some(d) = &r.verbs {
+            if let Some(d) = r.backend.verbs() {
                 if let Err(e) = d.acquire(addr, len) {
                     for r in done {
-                        if let Some(d) = &r.verbs {
+                        if let Some(d) = r.backend.verbs() {
                             d.release((addr, len.max(1)));
                         }
                     }
@@ -194,7 +190,7 @@ impl Net {
     /// Undo one [`Self::reg_mr`] of the same range.
     pub fn dereg_mr(&self, addr: usize, len: usize) {
         for r in &self.inner.rails {
-            if let Some(d) = &r.verbs {
+            if let Some(d) = r.backend.verbs() {
                 d.release((addr, len.max(1)));
             }
         }
@@ -231,21 +227,20 @@ impl Net {
             .rails
             .iter()
             .map(|r| {
-                serde_json::json!({
+                let mut v = serde_json::json!({
                     "name": r.info.name, "ifname": r.info.ifname, "addr": r.info.addr.to_string(),
-                    "source_ports": r.udp.as_ref().map(|u| u.ports().to_vec()),
-                    "verbs_device": r.verbs.as_ref().map(|d| serde_json::json!({
-                        "name": d.name, "gid_index": d.gid_index, "mtu": d.mtu_bytes, "registrations": d.registrations(),
-                    })),
                     "unknown_token_dropped": r.unknown_token.load(Ordering::Relaxed),
                     "runt_dropped": r.runt.load(Ordering::Relaxed),
                     "wrong_port_dropped": r.wrong_port.load(Ordering::Relaxed),
-                    "wrong_port_kernel_dropped": r.udp.as_ref().and_then(UdpRail::send_only_drops),
-                })
+                });
+                if let (serde_json::Value::Object(m), serde_json::Value::Object(b)) = (&mut v, r.backend.json()) {
+                    m.extend(b);
+                }
+                v
             })
             .collect();
         let mut out = serde_json::json!({
-            "backend": if self.inner.is_verbs() { "verbs" } else { "udp" },
+            "backend": self.inner.backend_name(),
             "config": { "transport": self.inner.cfg.describe(), "lb": self.inner.lb.describe() },
             "rails": rails,
             "handshakes": self.inner.handshakes.json(),

@@ -228,17 +228,17 @@ fn run(net: Weak<dyn Host>, stop: Arc<AtomicBool>) {
             std::thread::sleep(std::time::Duration::from_micros(sleep_us));
             continue;
         }
-        if net.rails().iter().any(|r| r.udp.is_none()) {
+        if net.rails().iter().any(|r| r.backend.udp().is_none()) {
             // Verbs completions have no descriptor here: poll the CQs often.
             std::thread::sleep(std::time::Duration::from_micros(sleep_us.min(100)));
             continue;
         }
         // Wake early when any rail has datagrams, on its rail port or on a send-only socket (those
         // are discarded here: nobody else reads them while every comm is idle).
-        let udp_rails: Vec<_> = net.rails().iter().filter(|r| r.udp.is_some()).collect();
+        let udp_rails: Vec<_> = net.rails().iter().filter(|r| r.backend.udp().is_some()).collect();
         let mut fds: Vec<PollFd<'_>> = udp_rails
             .iter()
-            .filter_map(|r| r.udp.as_ref())
+            .filter_map(|r| r.backend.udp())
             .flat_map(|u| [PollFd::new(u.rx_fd(), PollFlags::POLLIN), PollFd::new(u.stray_fd(), PollFlags::POLLIN)])
             .collect();
         let ts = TimeSpec::from_duration(std::time::Duration::from_micros(sleep_us));

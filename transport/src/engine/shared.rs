@@ -76,7 +76,12 @@ impl NetInner {
 
     /// Is this engine on the verbs backend?
     pub fn is_verbs(&self) -> bool {
-        self.rails.first().is_some_and(|r| r.verbs.is_some())
+        self.rails.first().is_some_and(|r| r.backend.verbs().is_some())
+    }
+
+    /// "verbs" or "udp".
+    pub fn backend_name(&self) -> &'static str {
+        self.rails.first().map_or("udp", |r| r.backend.name())
     }
 
     /// A new connection's QPs (verbs backend), or None on UDP.
@@ -84,7 +89,7 @@ impl NetInner {
         if !self.is_verbs() {
             return Ok(None);
         }
-        let devs: Vec<Arc<VerbsDevice>> = self.rails.iter().filter_map(|r| r.verbs.clone()).collect();
+        let devs: Vec<Arc<VerbsDevice>> = self.rails.iter().filter_map(|r| r.backend.verbs().cloned()).collect();
         VerbsComm::create(&devs, self.cfg.paths, self.cfg.qp == QpType::Rc, token, self.proto.max_payload, connector).map(Some)
     }
 }
