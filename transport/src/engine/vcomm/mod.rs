@@ -10,34 +10,16 @@
 use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 use std::sync::Arc;
 
-use super::revive::{self, Action, QpCtlRx, Revive};
+mod fence;
+mod recreate;
+
+use self::fence::{parse_fence, Held};
+use super::revive::{self, QpCtlRx, Revive};
 use super::TransportError;
-use crate::backend::verbs::{MrKeys, PostFail, QpSet, QpStats, RailPeer, RxEvent, VerbsDevice, VerbsError, SLOT_BYTES};
+use crate::backend::verbs::{MrKeys, PostFail, QpSet, QpStats, RailPeer, RxEvent, VerbsDevice, SLOT_BYTES};
 use crate::proto::{Connection, MsgId, PayloadSource, Placer};
 use crate::wire::{CtsKeys, CtsPacket, CtsRepr, DataPacket, DataRepr, Header, PacketType, CTS_MAX_KEY_RAILS, DATA_HEADER_LEN};
-use crate::wire::{FenceKind, FencePacket, FenceRepr, QpCtlRepr, QP_CTL_LEN};
-
-/// FENCE packets (engine level, never given to proto): see [`crate::wire::fence`].
-/// The receiver asks again for a FENCE it has waited this long for (µs).
-const FENCE_REQ_US: u64 = 20_000;
-/// ... and gives up waiting after this long (µs): a peer that answers nothing writes nothing either.
-const FENCE_GIVE_UP_US: u64 = 2_000_000;
-/// FENCEs the sender remembers (to answer repeated requests).
-const FENCES_KEPT: usize = 4096;
-
-/// The FENCE in `b`, or None when `b` is not a (well-formed) FENCE.
-fn parse_fence(b: &[u8]) -> Option<FenceRepr> {
-    FencePacket::new_checked(b).and_then(|p| FenceRepr::parse(&p)).ok()
-}
-
-/// A receive proto finished whose completion waits for the sender's FENCEs.
-struct Held {
-    msg: MsgId,
-    sizes: Vec<u64>,
-    need: Vec<(u64, u8)>,
-    since: u64,
-    asked: u64,
-}
+use crate::wire::{FenceKind, FenceRepr, QP_CTL_LEN};
 
 /// Most packets one transmit call posts (keeps test() short).
 const MAX_TX: usize = 256;
@@ -57,9 +39,9 @@ impl PayloadSource for Recorder {
 }
 
 /// The payload is already in place; nothing is ever copied on the verbs path.
-struct NoPlace;
+struct AlreadyPlaced;
 
-impl Placer for NoPlace {
+impl Placer for AlreadyPlaced {
     fn place(&mut self, _: MsgId, _: usize, _: u64, _: &[u8]) {}
 }
 
@@ -333,7 +315,7 @@ impl VerbsComm {
                             }
                         }
                     }
-                    conn.handle_datagram(b, now, &mut NoPlace);
+                    conn.handle_datagram(b, now, &mut AlreadyPlaced);
                 }
             });
         }
@@ -352,240 +334,6 @@ impl VerbsComm {
             self.on_ctl(&c, now);
         }
         self.revive_tick(now);
-    }
-
-    /// Step every QP's re-creation (see `revive`): dead QPs whose port is up are reset and asked
-    /// for; unanswered REQs are resent; attempts time out.
-    fn revive_tick(&mut self, now: u64) {
-        let paths = self.paths as usize;
-        for r in 0..self.rails.len() {
-            let mut port: Option<bool> = None;
-            let mut any_dead = false;
-            for q in 0..paths {
-                let dead = self.rails[r].is_dead(q);
-                any_dead |= dead;
-                let set = &self.rails[r];
-                let active = || *port.get_or_insert_with(|| set.port_active());
-                let act = self.revive[r * paths + q].tick(now, dead, active);
-                match act {
-                    Action::Reset => self.start_recreate(r, q, now),
-                    Action::Send(c) => self.ctl_out.push_back(c.to_bytes()),
-                    _ => {}
-                }
-            }
-            if any_dead != self.rail_reviving[r] {
-                self.rail_reviving[r] = any_dead;
-                let dev = &self.rails[r].device().name;
-                if any_dead {
-                    let n = (0..paths).filter(|&q| self.rails[r].is_dead(q)).count();
-                    tracing::info!(rail = r, %dev, "{n} of {paths} QPs dead: re-creating them in the background once the port is active");
-                } else {
-                    tracing::info!(rail = r, %dev, "all {paths} QPs live again (re-created so far on this comm: {})", self.counters.qp_recreated);
-                }
-            }
-        }
-        self.flush_ctl();
-    }
-
-    /// Reset QP `q` of rail `r` to a fresh one (its QPN and PSN returned); the WRITEs it still had
-    /// outstanding are finished as the reset drained them.
-    fn reset_qp(&mut self, r: usize, q: usize) -> Result<(u32, u32), VerbsError> {
-        let (qpn, psn, drained) = self.rails[r].reset_qp(q)?;
-        for p in drained {
-            self.write_done(p);
-        }
-        Ok((qpn, psn))
-    }
-
-    fn start_recreate(&mut self, r: usize, q: usize, now: u64) {
-        let i = r * self.paths as usize + q;
-        match self.reset_qp(r, q) {
-            Ok((qpn, psn)) => {
-                let req = self.revive[i].asking(now, qpn, psn);
-                self.ctl_out.push_back(req.to_bytes());
-            }
-            Err(e) => {
-                tracing::debug!(rail = r, q, "QP reset failed: {e}");
-                self.counters.qp_recreate_failed += 1;
-                self.revive[i].failed(now);
-            }
-        }
-    }
-
-    /// A REQ or ACK from the peer.
-    fn on_ctl(&mut self, c: &QpCtlRepr, now: u64) {
-        let (r, q) = (c.rail as usize, c.q as usize);
-        let i = r * self.paths as usize + q;
-        let (act, stale) = self.revive[i].on_ctl(c, self.connector);
-        if stale {
-            self.counters.qp_ctl_dropped += 1;
-        }
-        match act {
-            Action::Send(a) => self.ctl_out.push_back(a.to_bytes()),
-            Action::ResetAndConnect { qpn, psn } => {
-                let res = self.reset_qp(r, q).and_then(|(lqpn, lpsn)| self.rails[r].reconnect_qp(q, qpn, psn).map(|()| (lqpn, lpsn)));
-                match res {
-                    Ok((lqpn, lpsn)) => {
-                        self.counters.qp_recreated += 1;
-                        let ack = self.revive[i].answered(c, lqpn, lpsn);
-                        self.ctl_out.push_back(ack.to_bytes());
-                    }
-                    Err(e) => {
-                        tracing::debug!(rail = r, q, "QP re-creation for the peer failed: {e}");
-                        self.counters.qp_recreate_failed += 1;
-                        self.revive[i].failed(now);
-                    }
-                }
-            }
-            Action::Connect { qpn, psn } => match self.rails[r].reconnect_qp(q, qpn, psn) {
-                Ok(()) => {
-                    self.counters.qp_recreated += 1;
-                    self.revive[i].connected();
-                }
-                Err(e) => {
-                    tracing::debug!(rail = r, q, "connecting the re-created QP failed: {e}");
-                    self.counters.qp_recreate_failed += 1;
-                    self.revive[i].failed(now);
-                }
-            },
-            Action::Reset | Action::Nothing => {}
-        }
-    }
-
-    /// Post `bytes` as a SEND on the next live QP, rotating over rails and QPs; false if none took it.
-    fn post_on_live_qp(&mut self, bytes: &[u8]) -> bool {
-        let total = self.rails.len() * self.paths as usize;
-        for _ in 0..total {
-            let k = self.fence_rr % total;
-            self.fence_rr = self.fence_rr.wrapping_add(1);
-            let (r, q) = (k / self.paths as usize, k % self.paths as usize);
-            if !self.rails[r].is_dead(q) && self.rails[r].post_send(q, bytes).is_ok() {
-                return true;
-            }
-        }
-        false
-    }
-
-    /// Send queued QP control packets on live QPs (rotating; a lost one is resent by its timer).
-    fn flush_ctl(&mut self) {
-        while let Some(c) = self.ctl_out.front().copied() {
-            let posted = self.post_on_live_qp(&c);
-            if !posted {
-                // No live QP: the REQ timers try again.
-                self.ctl_out.clear();
-                return;
-            }
-            self.counters.qp_ctl_sent += 1;
-            self.ctl_out.pop_front();
-        }
-    }
-
-    /// A WRITE of `psn` left the send queue.
-    fn write_done(&mut self, psn: u64) {
-        let Some(n) = self.writes_out.get_mut(&psn) else { return };
-        *n -= 1;
-        if *n > 0 {
-            return;
-        }
-        self.writes_out.remove(&psn);
-        let Some(t) = self.psn_target.remove(&psn) else { return };
-        let left = self.writes_to.get_mut(&t).map(|n| {
-            *n -= 1;
-            *n
-        });
-        if left == Some(0) {
-            self.writes_to.remove(&t);
-            if self.fence_wait.remove(&t) {
-                self.fence(t);
-                if let Some(m) = self.release_later.remove(&t) {
-                    self.release_now(m);
-                }
-            }
-        }
-    }
-
-    /// Tell the receiver that no WRITE into buffer `t` is left on this side.
-    fn fence(&mut self, t: (u64, u8)) {
-        self.fenced.push_back(t);
-        while self.fenced.len() > FENCES_KEPT {
-            self.fenced.pop_front();
-        }
-        self.fence_out.push_back(FenceRepr { kind: FenceKind::Fence, cts_seq: t.0, sub: t.1 });
-    }
-
-    /// Proto completed send `msg` (every byte acknowledged): its FENCE goes out once none of its
-    /// WRITEs is left in a send queue.
-    pub fn sent(&mut self, msg: MsgId) {
-        let Some(t) = self.msg_target.remove(&msg) else { return };
-        if self.writes_to.get(&t).is_some_and(|&n| n > 0) {
-            self.fence_wait.insert(t);
-            self.release_later.insert(t, msg);
-        } else {
-            self.fence(t);
-        }
-    }
-
-    /// Proto completed receive `msg`: `Some(sizes)` to report now, or `None` while a FENCE from the
-    /// sender is missing (a stale WRITE could still land; the buffer must not go back to NCCL yet).
-    pub fn received(&mut self, msg: MsgId, sizes: Vec<u64>, now: u64) -> Option<Vec<u64>> {
-        let Some(cts_seq) = self.recv_seq.iter().find(|(_, m)| **m == msg).map(|(s, _)| *s) else { return Some(sizes) };
-        let need: Vec<(u64, u8)> = sizes
-            .iter()
-            .enumerate()
-            .filter(|&(_, &n)| n > 0)
-            .map(|(i, _)| (cts_seq, i as u8))
-            .filter(|t| !self.fences_got.remove(t))
-            .collect();
-        if need.is_empty() {
-            return Some(sizes);
-        }
-        self.counters.receives_held += 1;
-        self.held.push(Held { msg, sizes, need, since: now, asked: now });
-        None
-    }
-
-    /// Held receives whose FENCEs arrived (or that waited too long); asks again for missing ones.
-    pub fn released(&mut self, now: u64) -> Vec<(MsgId, Vec<u64>)> {
-        let mut out = Vec::new();
-        let mut i = 0;
-        while i < self.held.len() {
-            let h = &mut self.held[i];
-            let got = &mut self.fences_got;
-            h.need.retain(|t| !got.remove(t));
-            let give_up = now.saturating_sub(h.since) > FENCE_GIVE_UP_US;
-            if h.need.is_empty() || give_up {
-                if give_up && !h.need.is_empty() {
-                    self.counters.fence_give_ups += 1;
-                    tracing::warn!(cts_seq = h.need[0].0, "no FENCE from the sender after 2 s: completing the receive anyway");
-                }
-                let h = self.held.swap_remove(i);
-                out.push((h.msg, h.sizes));
-                continue;
-            }
-            if now.saturating_sub(h.asked) > FENCE_REQ_US {
-                h.asked = now;
-                for &(c, s) in &h.need {
-                    self.fence_out.push_back(FenceRepr { kind: FenceKind::Request, cts_seq: c, sub: s });
-                    self.counters.fence_requests += 1;
-                }
-            }
-            i += 1;
-        }
-        out
-    }
-
-    /// Send queued FENCE packets on a live QP (rotating over rails and QPs).
-    fn flush_fences(&mut self) {
-        while let Some(f) = self.fence_out.front().copied() {
-            let posted = self.post_on_live_qp(&f.to_bytes());
-            if !posted {
-                return;
-            }
-            if f.kind == FenceKind::Fence {
-                self.counters.fences_sent += 1;
-            }
-            self.fence_out.pop_front();
-        }
     }
 
     /// Post what proto wants to send.
