@@ -106,11 +106,6 @@ impl<T: AsRef<[u8]>> HelloPacket<T> {
         Ok(Self { buffer })
     }
 
-    /// The underlying buffer.
-    pub fn into_inner(self) -> T {
-        self.buffer
-    }
-
     fn b(&self) -> &[u8] {
         self.buffer.as_ref()
     }

@@ -63,7 +63,8 @@ impl<M> MrCache<M> {
         self.entries.is_empty()
     }
 
-    /// References held on `(addr, len)`.
+    /// References held on `(addr, len)` (tests only).
+    #[cfg(test)]
     pub fn refs(&self, addr: usize, len: usize) -> u32 {
         self.entries.get(&(addr, len)).map_or(0, |e| e.1)
     }
