@@ -170,18 +170,13 @@ impl Net {
     /// registrations of the same range share one MR; each must be paired with [`Self::dereg_mr`].
     /// The caller vouches that the memory stays mapped until then.
     pub fn reg_mr(&self, addr: usize, len: usize) -> Result<(), TransportError> {
-        let mut done: Vec<&Arc<Rail>> = Vec::new();
-        for r in &self.inner.rails {
-            if let Some(d) = r.backend.verbs() {
-                if let Err(e) = d.acquire(addr, len) {
-                    for r in done {
-                        if let Some(d) = r.backend.verbs() {
-                            d.release((addr, len.max(1)));
-                        }
-                    }
-                    return Err(TransportError::InvalidArgument(format!("regMr of {len} bytes at {addr:#x} on {}: {e}", d.name)));
+        let rails = &self.inner.rails;
+        for (i, r) in rails.iter().enumerate() {
+            if let Err(e) = r.backend.acquire_mr(addr, len) {
+                for r in &rails[..i] {
+                    r.backend.release_mr(addr, len);
                 }
-                done.push(r);
+                return Err(TransportError::InvalidArgument(format!("regMr of {len} bytes at {addr:#x} on {e}")));
             }
         }
         Ok(())
@@ -190,9 +185,7 @@ impl Net {
     /// Undo one [`Self::reg_mr`] of the same range.
     pub fn dereg_mr(&self, addr: usize, len: usize) {
         for r in &self.inner.rails {
-            if let Some(d) = r.backend.verbs() {
-                d.release((addr, len.max(1)));
-            }
+            r.backend.release_mr(addr, len);
         }
     }
 

@@ -70,6 +70,21 @@ impl RailBackend {
         }
     }
 
+    /// Take a registration of `addr..addr + len` (verbs; nothing on UDP). The error names the device.
+    pub fn acquire_mr(&self, addr: usize, len: usize) -> Result<(), String> {
+        match self {
+            RailBackend::Udp(_) => Ok(()),
+            RailBackend::Verbs(d) => d.acquire(addr, len).map(|_| ()).map_err(|e| format!("{}: {e}", d.name)),
+        }
+    }
+
+    /// Drop one registration taken by [`Self::acquire_mr`] of the same range.
+    pub fn release_mr(&self, addr: usize, len: usize) {
+        if let RailBackend::Verbs(d) = self {
+            d.release((addr, len.max(1)));
+        }
+    }
+
     /// "udp" or "verbs" (as `PRISM_TRANSPORT` spells it).
     pub fn name(&self) -> &'static str {
         match self {

@@ -42,15 +42,13 @@ impl SendComm {
     pub fn isend(&mut self, buf: Box<dyn SendBuf>, tag: i32) -> Result<Option<ReqId>, TransportError> {
         let mut core = self.shared.lock();
         let now = core.net.now_us();
-        let addr = core.verbs_addr(buf.addr(), buf.len())?;
+        let addr = core.backend.buffer_addr(buf.addr(), buf.len())?;
         match core.conn.post_send(buf.len() as u64, tag, now) {
             Ok(msg) => {
-                if let (Some(v), Some(a)) = (core.backend.verbs_mut(), addr) {
-                    if let Err(e) = v.register(msg, &[(a, buf.len())]) {
-                        // proto has the send already; it cannot be moved without its memory.
-                        core.conn.close(now);
-                        return Err(e);
-                    }
+                if let Err(e) = core.backend.send_posted(msg, addr, buf.len()) {
+                    // proto has the send already; it cannot be moved without its memory.
+                    core.conn.close(now);
+                    return Err(e);
                 }
                 core.plan(msg, buf.len() as u64, now);
                 core.lb.posted_at.insert(msg, now);
@@ -103,18 +101,15 @@ impl RecvComm {
         let specs: Vec<RecvSpec> = bufs.iter().map(|(b, tag)| RecvSpec { len: b.len() as u64, tag: *tag }).collect();
         let mut ranges = Vec::with_capacity(bufs.len());
         for (b, _) in &bufs {
-            if let Some(a) = core.verbs_addr(b.addr(), b.len())? {
+            if let Some(a) = core.backend.buffer_addr(b.addr(), b.len())? {
                 ranges.push((a, b.len()));
             }
         }
         match core.conn.post_recv(&specs, now) {
             Ok(msg) => {
-                if let Some(v) = core.backend.verbs_mut() {
-                    v.recv_posted(msg);
-                    if let Err(e) = v.register(msg, &ranges) {
-                        core.conn.close(now);
-                        return Err(e);
-                    }
+                if let Err(e) = core.backend.recv_posted(msg, &ranges) {
+                    core.conn.close(now);
+                    return Err(e);
                 }
                 core.requests.recvs.insert(msg, bufs.into_iter().map(|(b, _)| b).collect());
                 core.owner_progress();

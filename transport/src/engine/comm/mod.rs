@@ -98,17 +98,75 @@ enum CommBackend {
     Closed,
 }
 
+/// Every difference between the backends a comm sees is here (and in `transmit`, which builds the
+/// UDP datagrams itself); the comm calls these unconditionally.
 impl CommBackend {
-    fn verbs(&self) -> Option<&VerbsComm> {
-        match self {
-            CommBackend::Verbs(v) => Some(v),
-            _ => None,
+    /// Reap verbs completions and feed what arrived to `conn` (UDP datagrams come through the rails).
+    fn poll(&mut self, conn: &mut Connection, now: u64) {
+        if let CommBackend::Verbs(v) = self {
+            v.poll(conn, now);
         }
     }
-    fn verbs_mut(&mut self) -> Option<&mut VerbsComm> {
+
+    /// proto's completions as NCCL may see them. On verbs a receive is reported only once the sender
+    /// said that none of its WRITEs can still land in the buffer (FENCE); sends tell the receiver so.
+    fn completions(&mut self, comps: Vec<Completion>, now: u64) -> Vec<Completion> {
+        let CommBackend::Verbs(v) = self else { return comps };
+        let mut comps: Vec<Completion> = comps
+            .into_iter()
+            .filter_map(|c| match c {
+                Completion::Sent { msg, len } => {
+                    v.sent(msg);
+                    Some(Completion::Sent { msg, len })
+                }
+                Completion::Received { msg, sizes } => v.received(msg, sizes, now).map(|sizes| Completion::Received { msg, sizes }),
+                other => Some(other),
+            })
+            .collect();
+        comps.extend(v.released(now).into_iter().map(|(msg, sizes)| Completion::Received { msg, sizes }));
+        comps
+    }
+
+    /// The request is done: its buffers belong to NCCL again.
+    fn release(&mut self, msg: MsgId) {
+        if let CommBackend::Verbs(v) = self {
+            v.release(msg);
+        }
+    }
+
+    /// The address a buffer is moved from or to in place (verbs: RDMA reads or writes it), None on
+    /// UDP (the bytes are copied). A verbs buffer without an address is an error unless it is empty.
+    fn buffer_addr(&self, addr: Option<usize>, len: usize) -> Result<Option<usize>, TransportError> {
+        if !matches!(self, CommBackend::Verbs(_)) {
+            return Ok(None);
+        }
+        match addr {
+            Some(a) => Ok(Some(a)),
+            None if len == 0 => Ok(Some(0)),
+            None => Err(TransportError::InvalidArgument("the verbs backend needs buffers with an address".into())),
+        }
+    }
+
+    /// Register the buffer of send `msg` at `addr` (from `buffer_addr`).
+    fn send_posted(&mut self, msg: MsgId, addr: Option<usize>, len: usize) -> Result<(), TransportError> {
+        match (self, addr) {
+            (CommBackend::Verbs(v), Some(a)) => v.register(msg, &[(a, len)]),
+            _ => Ok(()),
+        }
+    }
+
+    /// Register the buffers (`ranges` from `buffer_addr`) of receive `msg`.
+    fn recv_posted(&mut self, msg: MsgId, ranges: &[(usize, usize)]) -> Result<(), TransportError> {
+        let CommBackend::Verbs(v) = self else { return Ok(()) };
+        v.recv_posted(msg);
+        v.register(msg, ranges)
+    }
+
+    /// The verbs side's statistics (null on UDP).
+    fn stats(&self) -> serde_json::Value {
         match self {
-            CommBackend::Verbs(v) => Some(v),
-            _ => None,
+            CommBackend::Verbs(v) => v.stats(),
+            _ => serde_json::Value::Null,
         }
     }
 }
@@ -250,9 +308,7 @@ impl CommCore {
             return;
         }
         let now = self.net.now_us();
-        if let Some(v) = self.backend.verbs_mut() {
-            v.poll(&mut self.conn, now);
-        }
+        self.backend.poll(&mut self.conn, now);
         for rail in &self.net.rails {
             rail.poll_rx();
         }
@@ -273,23 +329,8 @@ impl CommCore {
         if self.conn.poll_timeout().is_some_and(|t| t <= now) {
             self.conn.handle_timeout(now);
         }
-        let mut comps: Vec<Completion> = std::iter::from_fn(|| self.conn.poll_completion()).collect();
-        if let Some(v) = self.backend.verbs_mut() {
-            // On verbs a receive is reported only once the sender said that none of its WRITEs can
-            // still land in the buffer (FENCE); sends tell the receiver so.
-            comps = comps
-                .into_iter()
-                .filter_map(|c| match c {
-                    Completion::Sent { msg, len } => {
-                        v.sent(msg);
-                        Some(Completion::Sent { msg, len })
-                    }
-                    Completion::Received { msg, sizes } => v.received(msg, sizes, now).map(|sizes| Completion::Received { msg, sizes }),
-                    other => Some(other),
-                })
-                .collect();
-            comps.extend(v.released(now).into_iter().map(|(msg, sizes)| Completion::Received { msg, sizes }));
-        }
+        let comps: Vec<Completion> = std::iter::from_fn(|| self.conn.poll_completion()).collect();
+        let comps = self.backend.completions(comps, now);
         self.transmit(now);
         self.publish_paths(now);
         for c in comps {
@@ -308,9 +349,7 @@ impl CommCore {
                 }
             };
             // The buffers belong to NCCL again once the request is done.
-            if let Some(v) = self.backend.verbs_mut() {
-                v.release(msg);
-            }
+            self.backend.release(msg);
             self.requests.sends.remove(&msg);
             self.requests.recvs.remove(&msg);
             self.lb.plans.lock().remove(&msg.0);
@@ -465,18 +504,6 @@ impl CommCore {
         }
     }
 
-    /// On the verbs backend a buffer must have an address (RDMA reads or writes it in place).
-    fn verbs_addr(&self, addr: Option<usize>, len: usize) -> Result<Option<usize>, TransportError> {
-        if self.backend.verbs().is_none() {
-            return Ok(None);
-        }
-        match addr {
-            Some(a) => Ok(Some(a)),
-            None if len == 0 => Ok(Some(0)),
-            None => Err(TransportError::InvalidArgument("the verbs backend needs buffers with an address".into())),
-        }
-    }
-
     fn new_req(&mut self, msg: MsgId) -> ReqId {
         let id = ReqId(self.requests.next_id);
         self.requests.next_id = self.requests.next_id.wrapping_add(1).max(1);
@@ -514,7 +541,7 @@ impl CommCore {
             "wrong_peer_dropped": self.rx.wrong_peer,
             "control_steered": self.board.steered,
             "backend": self.net.backend_name(),
-            "verbs": self.backend.verbs().map(VerbsComm::stats),
+            "verbs": self.backend.stats(),
         })
     }
 
