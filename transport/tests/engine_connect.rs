@@ -3,7 +3,7 @@
 //! self-connect a retried TCP connect (source port = the closed listener's port, simultaneous open);
 //! the connector would then read its own HELLO as the reply. Before the fix, looping `connect` on a
 //! closed listener's handle returned such a comm after 16 ms to 0.6 s (1,300 to 38,000 calls).
-//! The fake listeners below play the handshake from the layout documented in `engine/net.rs`.
+//! The fake listeners below play the handshake from the layout documented in `wire/hello.rs`.
 
 use std::collections::BTreeMap;
 use std::io::{Read, Write};

@@ -123,7 +123,7 @@ fn a_send_larger_than_the_receive_fails_both_and_writes_nothing_past_it() {
 }
 
 /// A peer that answers the handshake and then never says a word again (a crashed host): the
-/// handshake is played by hand from the layout documented in `engine/net.rs`.
+/// handshake is played by hand from the layout documented in `wire/hello.rs` (bytes, not the view: an independent check of the format).
 fn silent_peer(net: &Net) -> (SendComm, std::net::UdpSocket) {
     use std::io::{Read, Write};
     let tcp = std::net::TcpListener::bind("127.0.0.1:0").unwrap();

@@ -26,7 +26,7 @@ impl SendBuf for Zeros {
     }
 }
 
-/// The fake peer: handshake by hand (layout in `engine/net.rs`), then CTS and PONGs only. Returns
+/// The fake peer: handshake by hand (layout in `wire/hello.rs`), then CTS and PONGs only. Returns
 /// how many DATA packets and PINGs it got.
 fn fake_peer(tcp: TcpListener, udp: UdpSocket, stop: Arc<AtomicBool>) -> (u64, u64) {
     let (mut s, _) = tcp.accept().unwrap();

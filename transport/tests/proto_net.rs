@@ -38,12 +38,9 @@ fn seeded(default_seed: u64, f: impl FnOnce(u64)) {
     }
 }
 
-/// A fixed, well-mixed number per entropy (splitmix64's finalizer).
+/// A fixed, well-mixed number per entropy.
 fn path_hash(entropy: u16) -> u64 {
-    let mut z = u64::from(entropy).wrapping_add(0x9e37_79b9_7f4a_7c15);
-    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-    z ^ (z >> 31)
+    prism_lb::splitmix64(u64::from(entropy))
 }
 
 /// Content of byte `off` of message `key`: differs between neighbouring offsets and between messages.
@@ -564,7 +561,7 @@ fn clean_transfer_time(seed: u64) -> Micros {
 }
 
 #[test]
-fn black_holed_path_is_marked_dead_and_its_packets_are_resent_elsewhere() {
+fn black_holed_path_is_left_and_its_packets_are_resent_elsewhere() {
     seeded(31, |seed| {
         const HOLE: u16 = 3;
         let clean = clean_transfer_time(seed);
@@ -575,15 +572,15 @@ fn black_holed_path_is_marked_dead_and_its_packets_are_resent_elsewhere() {
         let posted = post(&mut sim, &mix());
         let mut dead_at = None;
         sim.run_until(60_000_000, |s| {
-            if dead_at.is_none() && s.stats(A).paths[HOLE as usize].state == PathHealth::Dead {
+            if dead_at.is_none() && s.stats(A).paths[HOLE as usize].state != PathHealth::Alive {
                 dead_at = Some(s.now);
             }
             all_done(s, &posted)
         });
         verify(&sim, &posted);
         let finish = sim.ends.iter().flat_map(|e| e.done.iter().map(|(t, _)| *t)).max().expect("completions");
-        let dead_at = dead_at.expect("the black-holed path was never marked dead");
-        assert_eq!(sim.stats(A).paths[HOLE as usize].state, PathHealth::Dead);
+        let dead_at = dead_at.expect("the black-holed path was never marked suspect or dead");
+        assert_ne!(sim.stats(A).paths[HOLE as usize].state, PathHealth::Alive);
 
         let log = &sim.data_log;
         let swallowed: BTreeSet<u64> = log.iter().filter(|d| d.entropy == HOLE && d.at >= t_hole).map(|d| d.psn).collect();
@@ -593,7 +590,7 @@ fn black_holed_path_is_marked_dead_and_its_packets_are_resent_elsewhere() {
             assert!(resent_elsewhere, "PSN {psn} lost in the hole was never resent on another path");
         }
         assert!(!log.iter().any(|d| d.entropy == HOLE && d.retx && d.at >= t_hole), "a retransmission went into the black-holed path");
-        assert!(!log.iter().any(|d| d.entropy == HOLE && d.queued_at > dead_at), "DATA was sent on the path after it was marked dead");
+        assert!(!log.iter().any(|d| d.entropy == HOLE && d.queued_at > dead_at), "DATA was sent on the path after it was left");
         // Recovery costs a few minimum RTOs at most, not the peer timeout or a revive period.
         let bound = clean + 10 * cfg.rto_min_us;
         assert!(finish <= bound, "finished at {finish} µs; clean run {clean} µs, bound {bound} µs");
@@ -843,7 +840,7 @@ fn dead_path_is_probed_and_used_again_once_it_works() {
         let posted = post(&mut sim, &mix());
         sim.run_until(60_000_000, |s| all_done(s, &posted));
         verify(&sim, &posted);
-        assert_eq!(sim.stats(A).paths[HOLE as usize].state, PathHealth::Dead);
+        assert_ne!(sim.stats(A).paths[HOLE as usize].state, PathHealth::Alive);
         // Work stays outstanding (a send waiting for its receive) past the revive time.
         let late = post_late(&mut sim, 300_000);
         verify(&sim, &late);

@@ -16,8 +16,34 @@ use nix::poll::{PollFd, PollFlags};
 use nix::sys::time::TimeSpec;
 use parking_lot::Mutex;
 
-use super::comm::SharedCore;
-use super::net::NetInner;
+use super::rail::Rail;
+
+/// What the thread needs of the engine (implemented by `shared::NetInner`; a trait so that this
+/// module depends on neither the engine nor the comms).
+pub(crate) trait Host: Send + Sync {
+    /// The engine's clock (µs).
+    fn now_us(&self) -> u64;
+    /// The registry of comms this thread serves.
+    fn progress(&self) -> &Progress;
+    /// The rails whose sockets wake the thread.
+    fn rails(&self) -> &[Arc<Rail>];
+}
+
+/// What the thread does with a comm (implemented by `comm::CommCore`).
+pub(crate) trait Driven: Send {
+    /// The comm was closed (the registry forgets it).
+    fn is_closed(&self) -> bool;
+    /// Its owner drove it within the last `window_us` before `now`.
+    fn owner_active(&self, now: u64, window_us: u64) -> bool;
+    /// Progress it (receive, send, timers).
+    fn progress(&mut self);
+    /// When it next needs progress (engine clock, µs), if ever.
+    fn next_wake(&mut self) -> Option<u64>;
+}
+
+/// A comm as both its owner and the thread hold it.
+pub(crate) type Shared<T> = Arc<Mutex<T>>;
+type DynDriven = Mutex<dyn Driven>;
 
 /// Longest the thread sleeps with nothing due (bounds how stale an idle comm's timers can get).
 const MAX_SLEEP_US: u64 = 1_000;
@@ -43,17 +69,19 @@ pub(crate) struct Progress {
 
 #[derive(Default)]
 struct State {
-    comms: Vec<Weak<Mutex<super::comm::CommCore>>>,
+    comms: Vec<Weak<DynDriven>>,
     thread: Option<Worker>,
 }
 
 impl Progress {
     /// Serve `core` from now on, starting the thread if needed.
-    pub fn adopt(&self, net: &Arc<NetInner>, core: &SharedCore) {
+    pub fn adopt<H: Host + 'static, D: Driven + 'static>(&self, net: &Arc<H>, core: &Shared<D>) {
         let mut st = self.state.lock();
-        st.comms.push(Arc::downgrade(core));
+        let core: Arc<DynDriven> = core.clone();
+        st.comms.push(Arc::downgrade(&core));
         if st.thread.is_none() {
-            let weak_net = Arc::downgrade(net);
+            let net: Arc<dyn Host> = net.clone();
+            let weak_net = Arc::downgrade(&net);
             match Worker::spawn("prism-progress", move |stop| run(weak_net, stop)) {
                 Ok(w) => st.thread = Some(w),
                 // The owner's own calls still progress the comm; the next adopt tries again.
@@ -89,7 +117,7 @@ impl Progress {
         }
     }
 
-    fn live(&self) -> Vec<SharedCore> {
+    fn live(&self) -> Vec<Arc<DynDriven>> {
         self.state.lock().comms.iter().filter_map(Weak::upgrade).collect()
     }
 }
@@ -163,14 +191,14 @@ fn panic_text(payload: &(dyn std::any::Any + Send)) -> &str {
     payload.downcast_ref::<&str>().copied().or_else(|| payload.downcast_ref::<String>().map(String::as_str)).unwrap_or("(no message)")
 }
 
-fn run(net: Weak<NetInner>, stop: Arc<AtomicBool>) {
+fn run(net: Weak<dyn Host>, stop: Arc<AtomicBool>) {
     let mut panics = 0u32;
     while !stop.load(Ordering::Acquire) {
         let Some(net) = net.upgrade() else { return };
         let start = net.now_us();
         let mut wake = start + MAX_SLEEP_US;
         let mut orphans = false;
-        for core in net.progress.live() {
+        for core in net.progress().live() {
             if let Some(mut c) = core.try_lock() {
                 if c.owner_active(start, OWNER_ACTIVE_US) {
                     wake = wake.min(start + OWNER_ACTIVE_US);
@@ -200,17 +228,17 @@ fn run(net: Weak<NetInner>, stop: Arc<AtomicBool>) {
             std::thread::sleep(std::time::Duration::from_micros(sleep_us));
             continue;
         }
-        if net.rails.iter().any(|r| r.udp.is_none()) {
+        if net.rails().iter().any(|r| r.backend.udp().is_none()) {
             // Verbs completions have no descriptor here: poll the CQs often.
             std::thread::sleep(std::time::Duration::from_micros(sleep_us.min(100)));
             continue;
         }
         // Wake early when any rail has datagrams, on its rail port or on a send-only socket (those
         // are discarded here: nobody else reads them while every comm is idle).
-        let udp_rails: Vec<_> = net.rails.iter().filter(|r| r.udp.is_some()).collect();
+        let udp_rails: Vec<_> = net.rails().iter().filter(|r| r.backend.udp().is_some()).collect();
         let mut fds: Vec<PollFd<'_>> = udp_rails
             .iter()
-            .filter_map(|r| r.udp.as_ref())
+            .filter_map(|r| r.backend.udp())
             .flat_map(|u| [PollFd::new(u.rx_fd(), PollFlags::POLLIN), PollFd::new(u.stray_fd(), PollFlags::POLLIN)])
             .collect();
         let ts = TimeSpec::from_duration(std::time::Duration::from_micros(sleep_us));

@@ -38,24 +38,86 @@ impl Inbox {
 /// they are empty; the progress thread drains them as soon as they are readable).
 const STRAY_EVERY: u32 = 16;
 
-struct RxState {
+/// The receive batch of a UDP rail (named apart from proto's receive state).
+struct RxBatch {
     bufs: Vec<Vec<u8>>,
     got: Vec<(usize, SocketAddrV4)>,
     polls: u32,
 }
 
-/// A rail: device description, sockets, demux table, recycled buffers.
+/// What moves a rail's packets: the one place the engine tells its two backends apart.
+pub(crate) enum RailBackend {
+    /// The rail's UDP sockets (one per entropy, plus the rail port).
+    Udp(UdpRail),
+    /// The RDMA device (QPs are per connection, in `vcomm`).
+    Verbs(Arc<VerbsDevice>),
+}
+
+impl RailBackend {
+    /// The UDP sockets, on a UDP rail.
+    pub fn udp(&self) -> Option<&UdpRail> {
+        match self {
+            RailBackend::Udp(u) => Some(u),
+            RailBackend::Verbs(_) => None,
+        }
+    }
+
+    /// The RDMA device, on a verbs rail.
+    pub fn verbs(&self) -> Option<&Arc<VerbsDevice>> {
+        match self {
+            RailBackend::Udp(_) => None,
+            RailBackend::Verbs(d) => Some(d),
+        }
+    }
+
+    /// Take a registration of `addr..addr + len` (verbs; nothing on UDP). The error names the device.
+    pub fn acquire_mr(&self, addr: usize, len: usize) -> Result<(), String> {
+        match self {
+            RailBackend::Udp(_) => Ok(()),
+            RailBackend::Verbs(d) => d.acquire(addr, len).map(|_| ()).map_err(|e| format!("{}: {e}", d.name)),
+        }
+    }
+
+    /// Drop one registration taken by [`Self::acquire_mr`] of the same range.
+    pub fn release_mr(&self, addr: usize, len: usize) {
+        if let RailBackend::Verbs(d) = self {
+            d.release((addr, len.max(1)));
+        }
+    }
+
+    /// "udp" or "verbs" (as `PRISM_TRANSPORT` spells it).
+    pub fn name(&self) -> &'static str {
+        match self {
+            RailBackend::Udp(_) => "udp",
+            RailBackend::Verbs(_) => "verbs",
+        }
+    }
+
+    /// The backend's part of the rail's statistics.
+    pub fn json(&self) -> serde_json::Value {
+        match self {
+            RailBackend::Udp(u) => serde_json::json!({
+                "source_ports": u.ports(), "verbs_device": null, "wrong_port_kernel_dropped": u.send_only_drops(),
+            }),
+            RailBackend::Verbs(d) => serde_json::json!({
+                "source_ports": null,
+                "verbs_device": { "name": d.name, "gid_index": d.gid_index, "mtu": d.mtu_bytes, "registrations": d.registrations() },
+                "wrong_port_kernel_dropped": null,
+            }),
+        }
+    }
+}
+
+/// A rail: device description, backend, demux table, recycled buffers.
 pub(crate) struct Rail {
     pub info: DeviceInfo,
-    /// The UDP sockets (UDP backend).
-    pub udp: Option<UdpRail>,
-    /// The RDMA device (verbs backend; QPs are per connection).
-    pub verbs: Option<Arc<VerbsDevice>>,
+    /// UDP sockets or RDMA device.
+    pub backend: RailBackend,
     /// The rail's IPv4 address.
     pub addr: Ipv4Addr,
     /// Largest datagram this rail sends or accepts (IP/UDP headers excluded).
     pub max_datagram: usize,
-    rx: Mutex<RxState>,
+    rx: Mutex<RxBatch>,
     routes: RwLock<HashMap<u64, Arc<Inbox>>>,
     spare: Mutex<Vec<Vec<u8>>>,
     /// Datagrams whose token matched no connection (late packets of closed comms, strays).
@@ -67,17 +129,16 @@ pub(crate) struct Rail {
 }
 
 impl Rail {
-    pub fn new(info: DeviceInfo, udp: Option<UdpRail>, verbs: Option<Arc<VerbsDevice>>, addr: Ipv4Addr, max_datagram: usize) -> Self {
+    pub fn new(info: DeviceInfo, backend: RailBackend, addr: Ipv4Addr, max_datagram: usize) -> Self {
         // One spare byte so that an oversized datagram shows up as longer than allowed, not truncated.
-        let nbufs = if udp.is_some() { BATCH } else { 0 };
+        let nbufs = if backend.udp().is_some() { BATCH } else { 0 };
         let bufs = (0..nbufs).map(|_| vec![0u8; max_datagram + 1]).collect();
         Self {
             info,
-            udp,
-            verbs,
+            backend,
             addr,
             max_datagram,
-            rx: Mutex::new(RxState { bufs, got: Vec::with_capacity(BATCH), polls: 0 }),
+            rx: Mutex::new(RxBatch { bufs, got: Vec::with_capacity(BATCH), polls: 0 }),
             routes: RwLock::new(HashMap::new()),
             spare: Mutex::new(Vec::new()),
             unknown_token: AtomicU64::new(0),
@@ -88,7 +149,7 @@ impl Rail {
 
     /// The UDP port peers send to (0 on a verbs rail).
     pub fn port(&self) -> u16 {
-        self.udp.as_ref().map_or(0, UdpRail::rail_port)
+        self.backend.udp().map_or(0, UdpRail::rail_port)
     }
 
     /// Deliver datagrams carrying `token` to `inbox` from now on.
@@ -110,7 +171,7 @@ impl Rail {
 
     /// Discard (and count) what reached the rail's send-only sockets.
     pub fn drain_strays(&self) {
-        let Some(udp) = &self.udp else { return };
+        let Some(udp) = self.backend.udp() else { return };
         match udp.drain_strays() {
             Ok(n) => {
                 self.wrong_port.fetch_add(n, Ordering::Relaxed);
@@ -123,9 +184,9 @@ impl Rail {
     /// sockets). Returns without waiting when another thread is already draining (it delivers our
     /// datagrams too).
     pub fn poll_rx(&self) {
-        let Some(udp) = &self.udp else { return };
+        let Some(udp) = self.backend.udp() else { return };
         let Some(mut rx) = self.rx.try_lock() else { return };
-        let RxState { bufs, got, polls } = &mut *rx;
+        let RxBatch { bufs, got, polls } = &mut *rx;
         *polls = polls.wrapping_add(1);
         if *polls % STRAY_EVERY == 0 {
             self.drain_strays();

@@ -13,14 +13,11 @@
 //! attempt and answers. The answerer remembers the last REQ it answered so that a duplicate gets the
 //! same ACK rather than another reset.
 //!
-//! Wire form (20 bytes, big-endian): magic `PQPR`, kind (1 = REQ, 2 = ACK), rail (u8), entropy on the
-//! rail (u16), epoch (u32, the asker's attempt number), QPN (u32, 24 bits), PSN (u32, 24 bits). A
-//! proto packet starts with its version byte, never with the magic.
+//! The packets are [`crate::wire::qp_ctl`]'s; [`classify`] also checks that one names a QP of the
+//! connection.
 
-/// Magic of a QP control packet.
-pub(crate) const QPCTL_MAGIC: &[u8; 4] = b"PQPR";
-/// Length of a QP control packet.
-pub(crate) const QPCTL_LEN: usize = 20;
+use crate::wire::qp_ctl::{is_qp_ctl, QpCtlKind as CtlKind, QpCtlPacket, QpCtlRepr as QpCtl};
+
 /// REQ sent again after this long without an ACK (µs).
 pub(crate) const RESEND_US: u64 = 100_000;
 /// An attempt fails when its REQ is not answered within this long (µs).
@@ -30,75 +27,25 @@ pub(crate) const MIN_BACKOFF_US: u64 = 500_000;
 /// Longest wait between attempts (µs).
 pub(crate) const MAX_BACKOFF_US: u64 = 8_000_000;
 
-/// REQ or ACK.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum CtlKind {
-    /// "I reset my QP; reset yours and connect it to mine."
-    Req,
-    /// "Done; here is mine."
-    Ack,
-}
-
-/// A parsed QP control packet.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) struct QpCtl {
-    pub kind: CtlKind,
-    pub rail: u8,
-    pub q: u16,
-    pub epoch: u32,
-    pub qpn: u32,
-    pub psn: u32,
-}
-
-impl QpCtl {
-    pub(crate) fn encode(&self) -> [u8; QPCTL_LEN] {
-        let mut b = [0u8; QPCTL_LEN];
-        b[..4].copy_from_slice(QPCTL_MAGIC);
-        b[4] = match self.kind {
-            CtlKind::Req => 1,
-            CtlKind::Ack => 2,
-        };
-        b[5] = self.rail;
-        b[6..8].copy_from_slice(&self.q.to_be_bytes());
-        b[8..12].copy_from_slice(&self.epoch.to_be_bytes());
-        b[12..16].copy_from_slice(&self.qpn.to_be_bytes());
-        b[16..20].copy_from_slice(&self.psn.to_be_bytes());
-        b
-    }
-}
-
 /// What a received packet is, as far as QP control goes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Parsed {
+pub(crate) enum QpCtlRx {
     /// Not a QP control packet (hand it on).
-    Other,
+    NotCtl,
     /// A QP control packet that is malformed or names a QP that does not exist: drop and count.
     Bad,
     /// A valid one.
     Ctl(QpCtl),
 }
 
-/// Parse `b`, checking it against this connection's `rails` and `paths` per rail.
-pub(crate) fn parse(b: &[u8], rails: usize, paths: usize) -> Parsed {
-    if b.len() < 4 || &b[..4] != QPCTL_MAGIC {
-        return Parsed::Other;
+/// Classify `b`, checking a QP control packet against this connection's `rails` and `paths` per rail.
+pub(crate) fn classify(b: &[u8], rails: usize, paths: usize) -> QpCtlRx {
+    if !is_qp_ctl(b) {
+        return QpCtlRx::NotCtl;
     }
-    if b.len() != QPCTL_LEN {
-        return Parsed::Bad;
-    }
-    let kind = match b[4] {
-        1 => CtlKind::Req,
-        2 => CtlKind::Ack,
-        _ => return Parsed::Bad,
-    };
-    let u32_at = |o: usize| u32::from_be_bytes([b[o], b[o + 1], b[o + 2], b[o + 3]]);
-    let c = QpCtl { kind, rail: b[5], q: u16::from_be_bytes([b[6], b[7]]), epoch: u32_at(8), qpn: u32_at(12), psn: u32_at(16) };
-    let valid =
-        (c.rail as usize) < rails && (c.q as usize) < paths && c.epoch != 0 && c.qpn != 0 && c.qpn <= 0xFF_FFFF && c.psn <= 0xFF_FFFF;
-    if valid {
-        Parsed::Ctl(c)
-    } else {
-        Parsed::Bad
+    match QpCtlPacket::new_checked(b).and_then(|p| QpCtl::parse(&p)) {
+        Ok(c) if (c.rail as usize) < rails && (c.q as usize) < paths => QpCtlRx::Ctl(c),
+        _ => QpCtlRx::Bad,
     }
 }
 
@@ -262,25 +209,25 @@ mod tests {
     #[test]
     fn packets_round_trip_and_bad_ones_are_told_apart() {
         let c = QpCtl { kind: CtlKind::Req, rail: 1, q: 15, epoch: 3, qpn: 0x11, psn: 0xab_cdef };
-        let b = c.encode();
-        assert_eq!(parse(&b, 2, 16), Parsed::Ctl(c));
+        let b = c.to_bytes();
+        assert_eq!(classify(&b, 2, 16), QpCtlRx::Ctl(c));
         let a = QpCtl { kind: CtlKind::Ack, ..c };
-        assert_eq!(parse(&a.encode(), 2, 16), Parsed::Ctl(a));
-        assert_eq!(parse(&b, 1, 16), Parsed::Bad, "rail out of range");
-        assert_eq!(parse(&b, 2, 15), Parsed::Bad, "entropy out of range");
-        assert_eq!(parse(&b[..19], 2, 16), Parsed::Bad, "short");
+        assert_eq!(classify(&a.to_bytes(), 2, 16), QpCtlRx::Ctl(a));
+        assert_eq!(classify(&b, 1, 16), QpCtlRx::Bad, "rail out of range");
+        assert_eq!(classify(&b, 2, 15), QpCtlRx::Bad, "entropy out of range");
+        assert_eq!(classify(&b[..19], 2, 16), QpCtlRx::Bad, "short");
         let mut k = b;
         k[4] = 3;
-        assert_eq!(parse(&k, 2, 16), Parsed::Bad, "unknown kind");
+        assert_eq!(classify(&k, 2, 16), QpCtlRx::Bad, "unknown kind");
         let mut p = b;
         p[16] = 1;
-        assert_eq!(parse(&p, 2, 16), Parsed::Bad, "PSN wider than 24 bits");
-        assert_eq!(parse(&QpCtl { qpn: 0, ..c }.encode(), 2, 16), Parsed::Bad, "QPN 0");
-        assert_eq!(parse(&QpCtl { epoch: 0, ..c }.encode(), 2, 16), Parsed::Bad, "epoch 0");
+        assert_eq!(classify(&p, 2, 16), QpCtlRx::Bad, "PSN wider than 24 bits");
+        assert_eq!(classify(&QpCtl { qpn: 0, ..c }.to_bytes(), 2, 16), QpCtlRx::Bad, "QPN 0");
+        assert_eq!(classify(&QpCtl { epoch: 0, ..c }.to_bytes(), 2, 16), QpCtlRx::Bad, "epoch 0");
         // Other packets pass through: a proto packet starts with its version byte, FENCE with PFNC.
-        assert_eq!(parse(&[1u8; 64], 2, 16), Parsed::Other);
-        assert_eq!(parse(b"PFNC\x01\0\0\0\0\0\0\0\0\0\0\x05", 2, 16), Parsed::Other);
-        assert_eq!(parse(b"PQ", 2, 16), Parsed::Other);
+        assert_eq!(classify(&[1u8; 64], 2, 16), QpCtlRx::NotCtl);
+        assert_eq!(classify(b"PFNC\x01\0\0\0\0\0\0\0\0\0\0\x05", 2, 16), QpCtlRx::NotCtl);
+        assert_eq!(classify(b"PQ", 2, 16), QpCtlRx::NotCtl);
     }
 
     #[test]

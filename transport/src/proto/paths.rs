@@ -10,8 +10,8 @@
 //!   timeout. New packets and retransmissions avoid it while alive paths exist, and a probe PING goes
 //!   out on it at once. A PONG, or a delivered packet sent after the loss, makes it alive again; a loss
 //!   taken back (the packet was only late) too.
-//! - **Dead**: a second loss in a row, `path_dead_after` timeouts in a row, or two probes unanswered
-//!   for a probe wait (the connection's RTO) each. A loss of a packet older than one the path
+//! - **Dead**: a second loss in a row of a packet sent after it became suspect, `path_dead_after`
+//!   timeouts in a row, or two probes unanswered for a probe wait (the connection's RTO) each. A loss of a packet older than one the path
 //!   delivered counts for nothing: that is random loss on a working path. Avoided by everything; probed again after `revive_wait`
 //!   (a few RTOs, doubled per unanswered probe up to `path_revive_us`), at most one dead-path probe per
 //!   RTO per connection, longest-waiting first; a PONG revives it.
@@ -210,6 +210,11 @@ impl Paths {
         if !blame || p.delivered_tx_end > tx_seq {
             // A stall, or a packet sent after it on the same path arrived (random loss on a path
             // that works): nothing against the path.
+            return;
+        }
+        if p.health == PathHealth::Suspect && sent_at <= p.bad_since {
+            // Already in flight when the path became suspect: the same event (a burst) as the loss
+            // that made it so. Whether it works is for its probes to tell.
             return;
         }
         p.consecutive_losses += 1;

@@ -82,11 +82,6 @@ impl<T: AsRef<[u8]>> DataPacket<T> {
         Ok(Self { buffer })
     }
 
-    /// The underlying buffer.
-    pub fn into_inner(self) -> T {
-        self.buffer
-    }
-
     /// The common header.
     pub fn header(&self) -> Header<&[u8]> {
         Header::new_unchecked(self.buffer.as_ref())

@@ -78,11 +78,6 @@ impl<T: AsRef<[u8]>> Header<T> {
         Ok(h)
     }
 
-    /// The underlying buffer.
-    pub fn into_inner(self) -> T {
-        self.buffer
-    }
-
     /// Protocol version byte.
     pub fn version(&self) -> u8 {
         self.buffer.as_ref()[VERSION_AT]

@@ -5,21 +5,34 @@
 //! [`data`] (payload), [`cts`] (clear-to-send: the receiver's posted buffers), [`sack`] (selective
 //! acknowledgement) and [`control`] (ACK, PING, PONG, CLOSE).
 //!
+//! The engine's own formats, never given to proto, have their own magic instead of the common header:
+//! [`hello`] (the connection handshake over TCP) with the [`verbs_block`] that follows it on verbs, and,
+//! on the verbs backend's QPs, [`fence`] (no WRITE to a buffer is left in flight) and [`qp_ctl`]
+//! (re-creating a dead QP). A proto packet starts with its version byte, never with one of those magics.
+//!
 //! A view's `new_checked` checks the length, version and type once; a `Repr::parse` then checks the
 //! fields that relate to each other (offsets, counts, ranges). Code past `parse` works on a `Repr` that
-//! cannot be malformed. Nothing here allocates.
+//! cannot be malformed. Nothing here allocates but the verbs block's `Repr` (read once per connection).
 
 pub mod control;
 pub mod cts;
 pub mod data;
+pub mod fence;
 pub mod header;
+pub mod hello;
+pub mod qp_ctl;
 pub mod sack;
+pub mod verbs_block;
 
 pub use control::{ControlKind, ControlPacket, ControlRepr, CONTROL_LEN};
 pub use cts::{CtsBuf, CtsKeys, CtsPacket, CtsRepr, CTS_KEYED_MAX_LEN, CTS_MAX_KEY_RAILS, CTS_MAX_LEN};
 pub use data::{DataPacket, DataRepr, DATA_HEADER_LEN};
+pub use fence::{FenceKind, FencePacket, FenceRepr, FENCE_LEN};
 pub use header::{Header, PacketType, HEADER_LEN};
+pub use hello::{HelloBackend, HelloKind, HelloPacket, HelloRepr, HELLO_LEN, HELLO_MAX_BLOCK, HELLO_MAX_RAILS, HELLO_VERSION};
+pub use qp_ctl::{QpCtlKind, QpCtlPacket, QpCtlRepr, QP_CTL_LEN};
 pub use sack::{SackPacket, SackRepr, SACK_BITMAP_PSNS, SACK_LEN};
+pub use verbs_block::{RailPeer, VerbsBlock, VerbsBlockRepr};
 
 /// Protocol version this build speaks; packets of any other version are dropped.
 pub const VERSION: u8 = 1;

@@ -1,0 +1,592 @@
+//! A connected comm: one `proto::Connection` plus the buffers of its outstanding requests, driven by
+//! whoever calls `isend`/`irecv`/`test` (NCCL's proxy progress thread).
+
+use std::collections::HashMap;
+use std::net::SocketAddrV4;
+use std::sync::Arc;
+
+use parking_lot::Mutex;
+
+use super::planned::{ChunkMap, Plans, SharedRate};
+mod endpoints;
+
+use super::progress::Driven;
+use super::rail::{Datagram, Inbox};
+use super::shared::NetInner;
+use super::vcomm::VerbsComm;
+use super::{RecvBuf, ReqId, SendBuf, TransportError};
+use crate::backend::udp::BATCH;
+use crate::proto::{Completion, Connection, MsgError, MsgId, PayloadSource, Placer, PostError};
+pub use endpoints::{RecvComm, SendComm};
+
+/// Batches of transmissions one progress call may send before it returns (keeps test() short).
+const MAX_TX_BATCHES: usize = 64;
+
+/// How often a comm that sends DATA publishes its view of the paths to the shared board.
+const BOARD_EVERY_US: u64 = 10_000;
+
+/// Message ids of requests posted on a dead connection (failed before proto saw them) have this bit
+/// set; proto's own ids count up from 0 and never reach it.
+const DEAD_POST: u64 = 1 << 63;
+
+enum Outcome {
+    Sent(u64),
+    Received(Vec<u64>),
+    Failed(MsgError),
+}
+
+/// Who the comm talks to, as the handshake settled it.
+struct Ident {
+    /// Our connection token (the peer's datagrams carry it).
+    token: u64,
+    /// The peer's rails, paired by index with ours.
+    peer_rails: Vec<SocketAddrV4>,
+    peer_host: u32,
+    /// The NCCL device this comm was opened on.
+    home: u16,
+    /// "send" or "recv" (logs, statistics).
+    role: &'static str,
+}
+
+/// The load balancer's side of the comm.
+struct LbState {
+    plans: Plans,
+    /// `PRISM_CC`: sets the in-flight window from message and packet delays.
+    rate: SharedRate,
+    /// When each send was posted (for the rate controller's message delay).
+    posted_at: HashMap<MsgId, u64>,
+    /// Bytes planned onto each rail (stats).
+    rail_bytes: Vec<u64>,
+}
+
+/// Datagrams the rails demultiplexed to this comm.
+struct Rx {
+    inbox: Arc<Inbox>,
+    incoming: Vec<Datagram>,
+    /// Datagrams from an address other than the peer's (dropped).
+    wrong_peer: u64,
+}
+
+/// The requests NCCL posted: their buffers, their outcomes, the ids NCCL holds.
+struct Requests {
+    sends: HashMap<MsgId, Box<dyn SendBuf>>,
+    recvs: HashMap<MsgId, Vec<Box<dyn RecvBuf>>>,
+    done: HashMap<MsgId, Outcome>,
+    /// Request ids NCCL holds, and the message each one stands for.
+    ids: HashMap<ReqId, MsgId>,
+    next_id: u32,
+    /// Requests posted after the connection died (they fail when tested).
+    dead_posts: u64,
+}
+
+/// This comm's part in the path board (see `board`).
+struct BoardState {
+    /// Last publication: when, and the DATA packets sent by then.
+    at_us: u64,
+    data_pkts: u64,
+    /// Control packets moved off a path a sending comm to the same peer does not trust.
+    steered: u64,
+}
+
+/// The per-comm half of the rail backend (`rail::RailBackend`).
+enum CommBackend {
+    /// UDP: datagrams are built into these buffers and sent per rail (sendmmsg).
+    Udp(UdpTx),
+    /// Verbs: the comm's QPs and the registrations of its outstanding buffers.
+    Verbs(Box<VerbsComm>),
+    /// After `shutdown` (the QPs and registrations are gone).
+    Closed,
+}
+
+/// Every difference between the backends a comm sees is here (and in `transmit`, which builds the
+/// UDP datagrams itself); the comm calls these unconditionally.
+impl CommBackend {
+    /// Reap verbs completions and feed what arrived to `conn` (UDP datagrams come through the rails).
+    fn poll(&mut self, conn: &mut Connection, now: u64) {
+        if let CommBackend::Verbs(v) = self {
+            v.poll(conn, now);
+        }
+    }
+
+    /// proto's completions as NCCL may see them. On verbs a receive is reported only once the sender
+    /// said that none of its WRITEs can still land in the buffer (FENCE); sends tell the receiver so.
+    fn completions(&mut self, comps: Vec<Completion>, now: u64) -> Vec<Completion> {
+        let CommBackend::Verbs(v) = self else { return comps };
+        let mut comps: Vec<Completion> = comps
+            .into_iter()
+            .filter_map(|c| match c {
+                Completion::Sent { msg, len } => {
+                    v.sent(msg);
+                    Some(Completion::Sent { msg, len })
+                }
+                Completion::Received { msg, sizes } => v.received(msg, sizes, now).map(|sizes| Completion::Received { msg, sizes }),
+                other => Some(other),
+            })
+            .collect();
+        comps.extend(v.released(now).into_iter().map(|(msg, sizes)| Completion::Received { msg, sizes }));
+        comps
+    }
+
+    /// The request is done: its buffers belong to NCCL again.
+    fn release(&mut self, msg: MsgId) {
+        if let CommBackend::Verbs(v) = self {
+            v.release(msg);
+        }
+    }
+
+    /// The address a buffer is moved from or to in place (verbs: RDMA reads or writes it), None on
+    /// UDP (the bytes are copied). A verbs buffer without an address is an error unless it is empty.
+    fn buffer_addr(&self, addr: Option<usize>, len: usize) -> Result<Option<usize>, TransportError> {
+        if !matches!(self, CommBackend::Verbs(_)) {
+            return Ok(None);
+        }
+        match addr {
+            Some(a) => Ok(Some(a)),
+            None if len == 0 => Ok(Some(0)),
+            None => Err(TransportError::InvalidArgument("the verbs backend needs buffers with an address".into())),
+        }
+    }
+
+    /// Register the buffer of send `msg` at `addr` (from `buffer_addr`).
+    fn send_posted(&mut self, msg: MsgId, addr: Option<usize>, len: usize) -> Result<(), TransportError> {
+        match (self, addr) {
+            (CommBackend::Verbs(v), Some(a)) => v.register(msg, &[(a, len)]),
+            _ => Ok(()),
+        }
+    }
+
+    /// Register the buffers (`ranges` from `buffer_addr`) of receive `msg`.
+    fn recv_posted(&mut self, msg: MsgId, ranges: &[(usize, usize)]) -> Result<(), TransportError> {
+        let CommBackend::Verbs(v) = self else { return Ok(()) };
+        v.recv_posted(msg);
+        v.register(msg, ranges)
+    }
+
+    /// The verbs side's statistics (null on UDP).
+    fn stats(&self) -> serde_json::Value {
+        match self {
+            CommBackend::Verbs(v) => v.stats(),
+            _ => serde_json::Value::Null,
+        }
+    }
+}
+
+/// Transmit buffers of a UDP comm.
+struct UdpTx {
+    bufs: Vec<Vec<u8>>,
+    /// (entropy, length) of each filled buffer.
+    meta: Vec<(u16, usize)>,
+    /// Per rail: (socket, buffer index) to send.
+    by_rail: Vec<Vec<(u16, usize)>>,
+}
+
+/// State shared by send and receive comms.
+pub(crate) struct CommCore {
+    net: Arc<NetInner>,
+    conn: Connection,
+    id: Ident,
+    lb: LbState,
+    rx: Rx,
+    requests: Requests,
+    backend: CommBackend,
+    board: BoardState,
+    closed: bool,
+    /// When the owner (NCCL's thread) last drove this comm; the progress thread leaves it alone
+    /// while the owner is active.
+    owner_active_us: u64,
+    /// Request failures logged at WARN so far: the first of a comm says what happened, the rest
+    /// (every other request of a comm whose peer went away fails the same way) go to DEBUG.
+    failures_warned: u32,
+}
+
+struct Sources<'a>(&'a HashMap<MsgId, Box<dyn SendBuf>>);
+
+impl PayloadSource for Sources<'_> {
+    fn read(&mut self, msg: MsgId, offset: u64, out: &mut [u8]) {
+        if let Some(buf) = self.0.get(&msg) {
+            let off = offset as usize;
+            if off.checked_add(out.len()).is_some_and(|end| end <= buf.len()) {
+                buf.read(off, out);
+            }
+        }
+    }
+}
+
+struct Sinks<'a>(&'a mut HashMap<MsgId, Vec<Box<dyn RecvBuf>>>);
+
+impl Placer for Sinks<'_> {
+    fn place(&mut self, msg: MsgId, sub: usize, offset: u64, data: &[u8]) {
+        // proto already checked the range against the posted size; check again against the real
+        // buffer, because this is the last line before memory NCCL owns.
+        if let Some(buf) = self.0.get_mut(&msg).and_then(|v| v.get_mut(sub)) {
+            let off = offset as usize;
+            if off.checked_add(data.len()).is_some_and(|end| end <= buf.len()) {
+                buf.write(off, data);
+            }
+        }
+    }
+}
+
+impl CommCore {
+    #[allow(clippy::too_many_arguments)]
+    pub fn new(
+        net: Arc<NetInner>,
+        conn: Connection,
+        token: u64,
+        peer_rails: Vec<SocketAddrV4>,
+        peer_host: u32,
+        home: u16,
+        plans: Plans,
+        rate: SharedRate,
+        role: &'static str,
+        verbs: Option<VerbsComm>,
+    ) -> Self {
+        let inbox = Arc::new(Inbox::default());
+        for rail in &net.rails {
+            rail.register(token, inbox.clone());
+        }
+        let max_dgram = net.rails.iter().map(|r| r.max_datagram).min().unwrap_or(0);
+        let nrails = net.rails.len();
+        let backend = match verbs {
+            Some(v) => CommBackend::Verbs(Box::new(v)),
+            None => CommBackend::Udp(UdpTx {
+                bufs: (0..BATCH).map(|_| vec![0u8; max_dgram]).collect(),
+                meta: Vec::with_capacity(BATCH),
+                by_rail: vec![Vec::with_capacity(BATCH); nrails],
+            }),
+        };
+        Self {
+            net,
+            conn,
+            id: Ident { token, peer_rails, peer_host, home, role },
+            lb: LbState { plans, rate, posted_at: HashMap::new(), rail_bytes: vec![0; nrails] },
+            rx: Rx { inbox, incoming: Vec::new(), wrong_peer: 0 },
+            requests: Requests {
+                sends: HashMap::new(),
+                recvs: HashMap::new(),
+                done: HashMap::new(),
+                ids: HashMap::new(),
+                next_id: 1,
+                dead_posts: 0,
+            },
+            backend,
+            board: BoardState { at_us: 0, data_pkts: 0, steered: 0 },
+            closed: false,
+            owner_active_us: 0,
+            failures_warned: 0,
+        }
+    }
+
+    /// True when the owner drove the comm within the last `window_us`.
+    pub fn owner_active(&self, now: u64, window_us: u64) -> bool {
+        now.saturating_sub(self.owner_active_us) < window_us
+    }
+
+    /// Progress on behalf of the owner (isend/irecv/test).
+    fn owner_progress(&mut self) {
+        self.progress();
+        self.owner_active_us = self.net.now_us();
+    }
+
+    /// True once the owner closed it.
+    pub fn is_closed(&self) -> bool {
+        self.closed
+    }
+
+    /// When this comm next needs attention even if no datagram arrives (None: closed or idle).
+    pub fn next_wake(&mut self) -> Option<u64> {
+        if self.closed {
+            None
+        } else {
+            self.conn.poll_timeout()
+        }
+    }
+
+    /// Receive, run timers, transmit, collect completions.
+    pub fn progress(&mut self) {
+        if self.closed {
+            return;
+        }
+        let now = self.net.now_us();
+        self.backend.poll(&mut self.conn, now);
+        for rail in &self.net.rails {
+            rail.poll_rx();
+        }
+        self.rx.inbox.drain(&mut self.rx.incoming);
+        {
+            let mut sinks = Sinks(&mut self.requests.recvs);
+            for d in &self.rx.incoming {
+                if !self.id.peer_rails.iter().any(|p| p.ip() == d.src.ip()) {
+                    self.rx.wrong_peer += 1;
+                    continue;
+                }
+                self.conn.handle_datagram(&d.buf[..d.len], now, &mut sinks);
+            }
+        }
+        if !self.rx.incoming.is_empty() {
+            self.net.rails[0].recycle(self.rx.incoming.drain(..).map(|d| d.buf));
+        }
+        if self.conn.poll_timeout().is_some_and(|t| t <= now) {
+            self.conn.handle_timeout(now);
+        }
+        let comps: Vec<Completion> = std::iter::from_fn(|| self.conn.poll_completion()).collect();
+        let comps = self.backend.completions(comps, now);
+        self.transmit(now);
+        self.publish_paths(now);
+        for c in comps {
+            let (msg, outcome) = match c {
+                Completion::Sent { msg, len } => {
+                    if let Some(sent_us) = self.lb.posted_at.remove(&msg) {
+                        let sample = prism_lb::MessageSample { bytes: len, sent_us, done_us: now };
+                        self.lb.rate.lock().message_done(&sample);
+                    }
+                    (msg, Outcome::Sent(len))
+                }
+                Completion::Received { msg, sizes } => (msg, Outcome::Received(sizes)),
+                Completion::Failed { msg, error } => {
+                    self.log_failure(format_args!("request failed: {error}"));
+                    (msg, Outcome::Failed(error))
+                }
+            };
+            // The buffers belong to NCCL again once the request is done.
+            self.backend.release(msg);
+            self.requests.sends.remove(&msg);
+            self.requests.recvs.remove(&msg);
+            self.lb.plans.lock().remove(&msg.0);
+            self.lb.posted_at.remove(&msg);
+            self.requests.done.insert(msg, outcome);
+        }
+        self.apply_rate();
+    }
+
+    /// Turn the rate controller's byte window into proto's packet window (never above `PRISM_WINDOW`).
+    fn apply_rate(&mut self) {
+        let bytes = self.lb.rate.lock().window_bytes();
+        let pkt = self.net.proto.max_payload.max(1) as u64;
+        let pkts = (bytes / pkt).clamp(1, u64::from(self.net.cfg.window_pkts)) as u32;
+        if pkts != self.conn.window_pkts() {
+            self.conn.set_window_pkts(pkts);
+        }
+    }
+
+    /// A comm that sends DATA tells the others which of its paths it trusts (see `board`).
+    fn publish_paths(&mut self, now: u64) {
+        let sent = self.conn.stats().data_pkts_sent;
+        if sent == self.board.data_pkts || now.saturating_sub(self.board.at_us) < BOARD_EVERY_US {
+            return;
+        }
+        self.board.at_us = now;
+        self.board.data_pkts = sent;
+        let paths = self.net.cfg.paths;
+        let rails = self.net.rails.len().min(self.id.peer_rails.len());
+        for (rail, dest) in self.id.peer_rails.iter().enumerate().take(rails) {
+            let good = (0..paths).map(|i| self.conn.path_preferred(rail as u16 * paths + i)).collect();
+            self.net.board.publish(*dest, good, now);
+        }
+    }
+
+    /// SACK, CTS and ACK packets (not DATA, and not PINGs, which probe their own path) leave from a
+    /// socket a sending comm to the same peer trusts.
+    fn steer(board: &super::board::PathBoard, dest: SocketAddrV4, sock: u16, pkt: &[u8], now: u64) -> u16 {
+        use crate::wire::{ControlKind, ControlPacket, ControlRepr, Header, PacketType};
+        let steerable = match Header::new_checked(pkt).ok().and_then(|h| h.packet_type().ok()) {
+            Some(PacketType::Sack | PacketType::Cts) => true,
+            Some(PacketType::Control) => {
+                ControlPacket::new_checked(pkt).ok().and_then(|p| ControlRepr::parse(&p).ok()).is_some_and(|c| c.kind == ControlKind::Ack)
+            }
+            _ => false,
+        };
+        if !steerable {
+            return sock;
+        }
+        board.steer(dest, sock, now).unwrap_or(sock)
+    }
+
+    fn transmit(&mut self, now: u64) {
+        let tx = match &mut self.backend {
+            CommBackend::Udp(tx) => tx,
+            CommBackend::Verbs(v) => return v.transmit(&mut self.conn, now),
+            CommBackend::Closed => return,
+        };
+        let UdpTx { bufs, meta, by_rail } = tx;
+        let peer_rails = &self.id.peer_rails;
+        for _ in 0..MAX_TX_BATCHES {
+            meta.clear();
+            let mut src = Sources(&self.requests.sends);
+            for buf in bufs.iter_mut() {
+                match self.conn.poll_transmit(now, &mut src, buf) {
+                    Some(t) => meta.push((t.entropy, t.len)),
+                    None => break,
+                }
+            }
+            if meta.is_empty() {
+                return;
+            }
+            // Entropies are rail-major: entropy e leaves rail e / paths from its socket e % paths,
+            // towards the peer's rail of the same index.
+            let paths = self.net.cfg.paths;
+            for v in by_rail.iter_mut() {
+                v.clear();
+            }
+            for (k, &(e, len)) in meta.iter().enumerate() {
+                let rail = (e / paths) as usize % by_rail.len();
+                let dest = peer_rails[rail % peer_rails.len()];
+                let sock = Self::steer(&self.net.board, dest, e % paths, &bufs[k][..len], now);
+                self.board.steered += u64::from(sock != e % paths);
+                by_rail[rail].push((sock, k));
+            }
+            for (rail, items) in by_rail.iter().enumerate() {
+                if items.is_empty() {
+                    continue;
+                }
+                let dest = peer_rails[rail % peer_rails.len()];
+                let pkts: Vec<(u16, &[u8])> = items.iter().map(|&(e, k)| (e, &bufs[k][..meta[k].1])).collect();
+                let Some(udp) = self.net.rails[rail].backend.udp() else { continue };
+                if let Err(e) = udp.send(dest, &pkts) {
+                    tracing::warn!(role = self.id.role, peer = %dest, "sendmmsg failed: {e}");
+                }
+            }
+            if meta.len() < BATCH {
+                return;
+            }
+        }
+    }
+
+    /// A request failed: WARN for the first failure of this comm, DEBUG after that (a comm whose peer
+    /// closed with 64 requests in flight logs one line, not 64).
+    fn log_failure(&mut self, what: std::fmt::Arguments<'_>) {
+        if self.failures_warned == 0 {
+            tracing::warn!(role = self.id.role, peer = %self.id.peer_rails[0], "{what} (further failures of this comm are logged at DEBUG)");
+        } else {
+            tracing::debug!(role = self.id.role, peer = %self.id.peer_rails[0], "{what}");
+        }
+        self.failures_warned = self.failures_warned.saturating_add(1);
+    }
+
+    /// What a refused post tells the caller. On a dead connection (the peer closed, timed out or
+    /// died) the post is accepted all the same, as NCCL expects of a plugin that is not out of
+    /// resources: the request fails with the reason when it is tested. `limit` bounds the requests
+    /// outstanding (beyond it: retry later), so a caller that never tests cannot grow memory.
+    fn post_error(&mut self, e: PostError, what: &str, limit: usize) -> Result<Option<ReqId>, TransportError> {
+        match e {
+            PostError::Full => Ok(None),
+            PostError::Dead(err) => {
+                if self.requests.ids.len() >= limit {
+                    return Ok(None);
+                }
+                self.log_failure(format_args!("{what} on a dead connection: accepted, it fails when tested ({err})"));
+                let msg = MsgId(DEAD_POST | self.requests.dead_posts);
+                self.requests.dead_posts += 1;
+                self.requests.done.insert(msg, Outcome::Failed(err));
+                Ok(Some(self.new_req(msg)))
+            }
+            other => Err(TransportError::InvalidArgument(other.to_string())),
+        }
+    }
+
+    /// Ask the load balancer how to spread message `msg` over rails and uplinks.
+    fn plan(&mut self, msg: MsgId, len: u64, now: u64) {
+        if len == 0 {
+            return;
+        }
+        let req = prism_lb::SendReq { dst_host: self.id.peer_host as usize, len, flow: self.id.token, home_rail: self.id.home };
+        match self.net.lb_rt.plan(&req, now) {
+            Ok(plan) => {
+                let map = ChunkMap::from_plan(&plan);
+                for (rail, bytes) in map.rails() {
+                    if let Some(b) = self.lb.rail_bytes.get_mut(rail as usize) {
+                        *b += bytes;
+                    }
+                }
+                self.lb.plans.lock().insert(msg.0, map);
+            }
+            Err(e) => tracing::warn!("no plan for a {len}-byte message ({e}); it stays on its own rail"),
+        }
+    }
+
+    fn new_req(&mut self, msg: MsgId) -> ReqId {
+        let id = ReqId(self.requests.next_id);
+        self.requests.next_id = self.requests.next_id.wrapping_add(1).max(1);
+        self.requests.ids.insert(id, msg);
+        id
+    }
+
+    /// Progress, then the outcome of `req` if it is done (the request is then forgotten).
+    fn test(&mut self, req: ReqId) -> Result<Option<Outcome>, TransportError> {
+        let msg = *self.requests.ids.get(&req).ok_or(TransportError::UnknownRequest(req.0))?;
+        self.owner_progress();
+        let out = self.requests.done.remove(&msg);
+        if out.is_some() {
+            self.requests.ids.remove(&req);
+        }
+        Ok(out)
+    }
+
+    /// The rate controller's name, state and the window it sets, under one lock.
+    fn rate_stats(&self) -> serde_json::Value {
+        let rate = self.lb.rate.lock();
+        serde_json::json!({ "controller": rate.name(), "window_pkts": self.conn.window_pkts(), "state": rate.describe_state() })
+    }
+
+    /// Final statistics of this comm, but for its connection's (`record_stats` takes those apart).
+    fn stats(&self) -> serde_json::Value {
+        serde_json::json!({
+            "role": self.id.role,
+            "rail": self.net.rails[self.id.home as usize].info.name,
+            "peer": self.id.peer_rails[0].to_string(),
+            "peer_host": self.id.peer_host,
+            "paths_per_rail": self.net.cfg.paths,
+            "planned_bytes_per_rail": self.lb.rail_bytes,
+            "rate": self.rate_stats(),
+            "wrong_peer_dropped": self.rx.wrong_peer,
+            "control_steered": self.board.steered,
+            "backend": self.net.backend_name(),
+            "verbs": self.backend.stats(),
+        })
+    }
+
+    /// Tell the peer, stop receiving, keep the statistics. Requests still outstanding are abandoned
+    /// (their buffers are dropped here, before the caller gives the memory back).
+    fn shutdown(&mut self) {
+        if self.closed {
+            return;
+        }
+        let now = self.net.now_us();
+        self.conn.close(now);
+        self.transmit(now);
+        self.closed = true;
+        for rail in &self.net.rails {
+            rail.unregister(self.id.token);
+        }
+        self.net.record_stats(self.stats(), self.conn.stats());
+        self.requests.sends.clear();
+        self.requests.recvs.clear();
+        // Registrations go with the QPs (VerbsComm's drop releases what is still held).
+        self.backend = CommBackend::Closed;
+    }
+}
+
+/// A comm as the engine's progress thread and its owner share it.
+pub(crate) type SharedCore = Arc<Mutex<CommCore>>;
+
+/// Wrap a new comm so that both its owner and the progress thread can drive it.
+pub(super) fn adopt(net: &Arc<NetInner>, core: CommCore) -> SharedCore {
+    let shared = Arc::new(Mutex::new(core));
+    net.progress.adopt(net, &shared);
+    shared
+}
+
+impl Driven for CommCore {
+    fn is_closed(&self) -> bool {
+        CommCore::is_closed(self)
+    }
+    fn owner_active(&self, now: u64, window_us: u64) -> bool {
+        CommCore::owner_active(self, now, window_us)
+    }
+    fn progress(&mut self) {
+        CommCore::progress(self)
+    }
+    fn next_wake(&mut self) -> Option<u64> {
+        CommCore::next_wake(self)
+    }
+}

@@ -1,0 +1,128 @@
+//! State every comm of the engine shares (`NetInner`): configuration, clock, rails, the load
+//! balancer, the progress thread, statistics. Owned by `Net`; every comm and listener holds an `Arc`.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Instant;
+
+use parking_lot::Mutex;
+use prism_lb::LbRuntime;
+
+use super::board::PathBoard;
+use super::closed::ClosedComms;
+use super::config::QpType;
+use super::planned::{PlannedPaths, Plans, SharedRate};
+use super::progress::{Host, Progress};
+use super::rail::Rail;
+use super::vcomm::VerbsComm;
+use super::{TransportConfig, TransportError};
+use crate::backend::verbs::VerbsDevice;
+use crate::proto::{Connection, ProtoConfig};
+
+/// State every comm shares: configuration, clock, rails, statistics of closed comms.
+pub(crate) struct NetInner {
+    pub cfg: TransportConfig,
+    pub lb: prism_lb::LbConfig,
+    /// The load balancer shared by every comm (RailS loads, PRO/DR state per leaf, ...).
+    pub lb_rt: LbRuntime,
+    /// This host's id in the topology (or a stable id from its address when hosts are not listed).
+    pub host_id: u32,
+    pub proto: ProtoConfig,
+    pub(super) start: Instant,
+    pub rails: Vec<Arc<Rail>>,
+    pub(super) closed: Mutex<ClosedComms>,
+    pub(super) seeds: AtomicU64,
+    pub progress: Progress,
+    /// Path knowledge shared by the comms that talk to the same peer rail.
+    pub board: PathBoard,
+    /// Handshake counters of the listeners.
+    pub(super) handshakes: HandshakeStats,
+}
+
+impl NetInner {
+    /// Microseconds since the engine started (proto's clock).
+    pub fn now_us(&self) -> u64 {
+        self.start.elapsed().as_micros() as u64
+    }
+
+    /// Fold the final statistics of a closed comm (`v` without its connection's, `conn`) into the
+    /// bounded record `stats_json` reports (see `closed`).
+    pub fn record_stats(&self, v: serde_json::Value, conn: &crate::proto::ConnStats) {
+        self.closed.lock().record(v, conn);
+    }
+
+    /// A seed for one connection's random choices: reproducible under `PRISM_SEED`.
+    pub(super) fn conn_seed(&self) -> u64 {
+        let n = self.seeds.fetch_add(1, Ordering::Relaxed);
+        if self.cfg.seed == 0 {
+            rand::random()
+        } else {
+            // The n-th output of a splitmix64 generator seeded with the base: distinct, well-mixed seeds.
+            use prism_lb::hash::SPLITMIX64_GAMMA;
+            prism_lb::splitmix64(self.cfg.seed.wrapping_add(n.wrapping_mul(SPLITMIX64_GAMMA)).wrapping_sub(SPLITMIX64_GAMMA))
+        }
+    }
+
+    /// A protocol connection whose path policy follows the lb plans stored in `plans` and reports
+    /// to `rate`.
+    pub(super) fn connection(&self, local: u64, peer: u64, peer_host: u32, home: u16, plans: &Plans, rate: &SharedRate) -> Connection {
+        let seed = self.conn_seed();
+        let policy = PlannedPaths::new(&self.lb_rt, peer_host as usize, self.rails.len() as u16, self.cfg.paths, home, seed, plans.clone())
+            .with_rate(rate.clone());
+        Connection::new(self.proto.clone(), local, peer, Box::new(policy), self.now_us())
+    }
+
+    /// Is this engine on the verbs backend?
+    pub fn is_verbs(&self) -> bool {
+        self.rails.first().is_some_and(|r| r.backend.verbs().is_some())
+    }
+
+    /// "verbs" or "udp".
+    pub fn backend_name(&self) -> &'static str {
+        self.rails.first().map_or("udp", |r| r.backend.name())
+    }
+
+    /// A new connection's QPs (verbs backend), or None on UDP.
+    pub(super) fn verbs_comm(&self, token: u64, connector: bool) -> Result<Option<VerbsComm>, TransportError> {
+        if !self.is_verbs() {
+            return Ok(None);
+        }
+        let devs: Vec<Arc<VerbsDevice>> = self.rails.iter().filter_map(|r| r.backend.verbs().cloned()).collect();
+        VerbsComm::create(&devs, self.cfg.paths, self.cfg.qp == QpType::Rc, token, self.proto.max_payload, connector).map(Some)
+    }
+}
+
+impl Host for NetInner {
+    fn now_us(&self) -> u64 {
+        NetInner::now_us(self)
+    }
+    fn progress(&self) -> &Progress {
+        &self.progress
+    }
+    fn rails(&self) -> &[Arc<Rail>] {
+        &self.rails
+    }
+}
+
+/// Handshake counters of all listeners (shown in the stats JSON as `handshakes`).
+#[derive(Default)]
+pub(crate) struct HandshakeStats {
+    pub(super) accepted: AtomicU64,
+    pub(super) pending: AtomicU64,
+    pub(super) dropped_full: AtomicU64,
+    pub(super) dropped_timeout: AtomicU64,
+    pub(super) rejected: AtomicU64,
+    pub(super) peer_closed: AtomicU64,
+    pub(super) accept_out_of_fds: AtomicU64,
+}
+
+impl HandshakeStats {
+    pub(super) fn json(&self) -> serde_json::Value {
+        let g = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        serde_json::json!({
+            "accepted": g(&self.accepted), "pending": g(&self.pending), "dropped_full": g(&self.dropped_full),
+            "dropped_timeout": g(&self.dropped_timeout), "rejected": g(&self.rejected), "peer_closed": g(&self.peer_closed),
+            "accept_out_of_fds": g(&self.accept_out_of_fds),
+        })
+    }
+}
