@@ -244,6 +244,23 @@ class Stats(unittest.TestCase):
     def test_an_unknown_shape_gives_no_numbers_rather_than_a_crash(self):
         self.assertEqual(metrics.summarize_stats([{"something": [1, 2]}, [], "x"]), {})
 
+    def test_the_rtt_is_the_mean_of_every_sample_of_every_rank(self):
+        # Two ranks: 100 samples averaging 10 ms and 300 averaging 30 ms -> 25 ms, not (10 + 30) / 2;
+        # a group without samples (a receive comm) does not pull the mean to 0.
+        def doc(n, avg, lo, hi):
+            return {"closed_summary": [
+                {"conn": {}, "paths": {"rtt_samples": n, "rtt_avg_us": avg, "rtt_min_us": lo, "rtt_max_us": hi}},
+                {"conn": {}, "paths": {"rtt_samples": 0, "rtt_avg_us": 0, "rtt_min_us": 0, "rtt_max_us": 0}}]}
+        s = metrics.summarize_stats([doc(100, 10_000, 2_000, 40_000), doc(300, 30_000, 5_000, 70_000)])
+        self.assertEqual((s["rtt_samples"], s["rtt_avg_us"]), (400, 25_000))
+        self.assertEqual((s["rtt_min_us"], s["rtt_max_us"]), (2_000, 70_000))
+        self.assertAlmostEqual(metrics.run_rtt_s({"prism_stats": s}), 0.025)
+
+    def test_a_run_without_rtt_samples_has_no_rtt(self):
+        self.assertNotIn("rtt_avg_us", metrics.summarize_stats([{"closed_summary": [{"conn": {}, "paths": {}}]}]))
+        self.assertIsNone(metrics.run_rtt_s({"prism_stats": {}}))
+        self.assertIsNone(metrics.run_rtt_s(None))
+
 
 if __name__ == "__main__":
     unittest.main()
@@ -263,3 +280,28 @@ class ByteRecovery(unittest.TestCase):
 
     def test_no_fault_link_no_byte_recovery(self):
         self.assertIsNone(metrics.byte_recovery({"t": [0.05], "links": {"a": [1]}}))
+
+
+class DeadPathRecovery(unittest.TestCase):
+    def test_the_10ms_byte_series_is_preferred_over_the_timeline(self):
+        r = {"fault": {"kind": "blackhole"}, "recovery_bytes": {"reroute_s": 0.07},
+             "timeline": {"t": [0.05], "links": {"a": [1]}, "fault_link": "a", "fault_t": 0.0, "step_s": 0.05}}
+        self.assertEqual(metrics.dead_path_recovery(r)["reroute_s"], 0.07)
+
+    def test_older_runs_fall_back_to_the_timeline_and_faults_without_a_dead_link_have_none(self):
+        t = [round(0.05 * (k + 1), 2) for k in range(60)]
+        tl = {"t": t, "step_s": 0.05, "fault_t": 1.0, "fault_link": "a",
+              "links": {"a": [100_000 if x <= 1.0 else 0 for x in t], "b": [100_000 if x <= 1.0 else 200_000 for x in t]}}
+        self.assertAlmostEqual(metrics.dead_path_recovery({"fault": {"kind": "blackhole"}, "timeline": tl})["reroute_s"],
+                               0.0, places=2)
+        self.assertIsNone(metrics.dead_path_recovery({"fault": {"kind": "loss"}, "timeline": tl}))
+
+    def test_spine_bytes_total_counts_both_ends_of_every_link(self):
+        spec = TopologySpec(hosts=2, rails=2, spines=3)
+        nd = {}
+        for r in range(2):
+            for sp in range(3):
+                nd.setdefault(f"lf{r}", {})[f"lf{r}-sp{sp}"] = {"tx_bytes": 10, "tx_packets": 1}
+                nd.setdefault(f"sp{sp}", {})[f"sp{sp}-lf{r}"] = {"tx_bytes": 5, "tx_packets": 1}
+        self.assertEqual(metrics.spine_bytes_total(spec, nd), 6 * 15)
+        self.assertEqual(metrics.spine_packets(spec, nd), 12)
