@@ -243,7 +243,7 @@ def _rate(t: list[float], v: list[int], k0: int, k1: int) -> float:
 
 def recovery(t: list[float], dead: list[int], total: list[int], t_fault: float, interval_s: float,
              window_s: float = 0.1, before_s: float = 0.3, residue: float = 0.05, busy: float = 0.2,
-             min_tail: float = 0.1, settle_s: float = 0.5) -> dict:
+             min_tail: float = 0.1, settle_s: float = 0.5, hold_s: float = 0.2) -> dict:
     """How traffic left a dead path, from cumulative packet counts sampled at times `t`: `dead` entered the
     dead path, `total` crossed the spines (dead path included).
 
@@ -255,6 +255,9 @@ def recovery(t: list[float], dead: list[int], total: list[int], t_fault: float, 
       never happened while traffic still flowed, or only for the last `min_tail` of the traffic.
     * ``residual_share``: the dead path's packet rate from `settle_s` after the fault on (busy windows),
       over its rate before the fault.
+    * ``first_off_s``: from the fault to the first moment from which the dead path stayed at most 5 % of
+      its earlier rate for `hold_s` (busy windows): when the bulk first left, even if a burst came back
+      later (which ``reroute_s`` does not forgive).
     """
     n = len(t)
     out: dict = {"resolution_s": interval_s, "recovered": False, "ttr_s": None, "reroute_s": None}
@@ -292,6 +295,14 @@ def recovery(t: list[float], dead: list[int], total: list[int], t_fault: float, 
     late = [(d, tot) for start, d, tot in windows if start >= t_fault + settle_s and tot >= busy * pre_total]
     if late:
         out["residual_share"] = (sum(d for d, _ in late) / len(late)) / pre_dead
+    # When the bulk *first* left (even if some of it came back later): the first busy window from which
+    # every busy window for `hold_s` stayed at most `residue` of the earlier rate.
+    busy_w = [(start, d) for start, d, tot in windows if tot >= busy * pre_total]
+    for i, (start, d) in enumerate(busy_w):
+        held = [dd for ss, dd in busy_w[i:] if ss <= start + hold_s]
+        if busy_w[-1][0] >= start + hold_s and all(dd <= residue * pre_dead for dd in held):
+            out["first_off_s"] = max(0.0, start - t_fault)
+            break
     ok_from = None
     for start, d, tot in reversed(windows):
         if tot < busy * pre_total:

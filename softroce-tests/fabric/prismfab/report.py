@@ -45,8 +45,11 @@ def run_row(r: dict, base: dict | None) -> dict:
         if by and by.get("residual_share") is not None:
             rtt = metrics.run_rtt_s(base)
             rr = by.get("reroute_s")
+            fo = by.get("first_off_s")
             ttr += (f"; bytes: {fmt_ms(rr) if rr is not None else 'never'}"
                     + (f" = {rr / rtt:.1f} RTTs" if (rr is not None and rtt) else "")
+                    + (f", first off {fmt_ms(fo)}" + (f" = {fo / rtt:.1f} RTTs" if rtt else "")
+                       if fo is not None and fo != rr else "")
                     + f" ({100 * by['residual_share']:.0f} %)")
     bal = r.get("balance") or {}
     return {

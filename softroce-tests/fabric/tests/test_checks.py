@@ -114,7 +114,7 @@ class Acceptance(unittest.TestCase):
                  run("alltoall_f", "dr", cct=2.0, rtt_us=0)]
         cs = by_name(checks.evaluate(with_k(self.scn, 3), runs))
         self.assertFalse(cs["recovery.blackhole.reps"].ok)
-        self.assertIn("never left", cs["recovery.blackhole.reps"].detail)
+        self.assertIn("never stayed off", cs["recovery.blackhole.reps"].detail)
         self.assertFalse(cs["recovery.blackhole.dr"].ok)
         self.assertIn("no RTT", cs["recovery.blackhole.dr"].detail)
 

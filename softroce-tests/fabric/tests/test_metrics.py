@@ -184,6 +184,23 @@ class Recovery(unittest.TestCase):
         self.assertAlmostEqual(r["reroute_s"], 0.3, delta=0.011)
         self.assertGreater(r["last_dead_packet_s"], 0.9)
 
+    def test_a_late_burst_into_the_dead_path_delays_the_reroute_but_not_the_first_departure(self):
+        # The bulk leaves 0.2 s after the fault at 0.5 s; at 1.5 s a 50 ms burst at the full rate comes back.
+        t, dead, total = series(lambda x: 10 if x <= 0.7 or 1.5 < x <= 1.55 else 0, lambda x: 10)
+        r = metrics.recovery(t, dead, total, 0.5, 0.01)
+        self.assertAlmostEqual(r["reroute_s"], 1.05, delta=0.011)  # stays off only after the burst
+        self.assertAlmostEqual(r["first_off_s"], 0.2, delta=0.011)
+        # Without the burst both say 0.2 s.
+        t, dead, total = series(lambda x: 10 if x <= 0.7 else 0, lambda x: 10)
+        r = metrics.recovery(t, dead, total, 0.5, 0.01)
+        self.assertAlmostEqual(r["first_off_s"], r["reroute_s"], delta=1e-9)
+
+    def test_a_dip_shorter_than_the_hold_time_is_not_a_departure(self):
+        # The dead path falls quiet for 0.1 s only (0.6 to 0.7 s), then is used again until 1.0 s.
+        t, dead, total = series(lambda x: 0 if 0.6 < x <= 0.7 or x > 1.0 else 10, lambda x: 10)
+        r = metrics.recovery(t, dead, total, 0.5, 0.01)
+        self.assertAlmostEqual(r["first_off_s"], 0.5, delta=0.011)
+
     def test_idle_gap_between_iterations_is_not_judged(self):
         # Traffic pauses from 1.0 to 1.3 s; the dead path was left at 0.7 s.
         busy = lambda x: not (1.0 < x <= 1.3)  # noqa: E731
