@@ -819,7 +819,7 @@ impl Sim {
 
     fn rearm(&mut self, ep: u32) {
         let e = &mut self.eps[ep as usize];
-        if let Some(us) = e.conn.next_timeout() {
+        if let Some(us) = e.conn.poll_timeout() {
             let at = (us * PS_PER_US).max(self.now);
             if e.timer_at.is_none_or(|x| at < x) {
                 e.timer_at = Some(at);

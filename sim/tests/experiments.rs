@@ -27,11 +27,14 @@ fn maxq(r: &ExperimentResult, scheme: &str) -> f64 {
 
 #[test]
 fn seed_000_packet_spraying_schemes_finish_all_to_all_well_before_ecmp() {
+    // (ECMP's collisions overflow switch buffers; since losses are recovered in round trips rather
+    // than by timeouts, what ECMP loses is its hash collisions, not its RTOs.)
     let r = ci("000-fat-tree-ata");
     let ecmp = cct(&r, "ECMP", false);
     for s in ["host spray", "REPS", "switch RR", "switch AR", "host DR", "OFAN"] {
         let c = cct(&r, s, false);
-        assert!(c < 0.5 * ecmp, "seed {}: {s} CCT {c} µs vs ECMP {ecmp} µs", r.runs[0].seed);
+        let bound = r.first(s, false).expect("row").bound_us;
+        assert!(c < 0.7 * ecmp && c < 1.2 * bound, "seed {}: {s} CCT {c} µs vs ECMP {ecmp} µs, bound {bound} µs", r.runs[0].seed);
     }
 }
 

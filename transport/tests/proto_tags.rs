@@ -197,7 +197,7 @@ impl Run {
             }
             // Nothing in flight: only a timer can move things on (keepalives keep firing while work is
             // outstanding, so a deadlock shows as the time limit passing).
-            match self.ends.iter().filter_map(Connection::poll_timeout).min() {
+            match self.ends.iter_mut().filter_map(Connection::poll_timeout).min() {
                 Some(t) => {
                     self.now = self.now.max(t);
                     for e in &mut self.ends {

@@ -181,7 +181,7 @@ impl CommCore {
     }
 
     /// When this comm next needs attention even if no datagram arrives (None: closed or idle).
-    pub fn next_wake(&self) -> Option<u64> {
+    pub fn next_wake(&mut self) -> Option<u64> {
         if self.closed {
             None
         } else {

@@ -5,12 +5,11 @@ use std::collections::VecDeque;
 
 use prism_lb::PathPolicy;
 
-use super::deadline::RtoDeadlines;
-use super::path::{Path, Probe};
+use super::paths::Paths;
 use super::receiver::RxState;
 use super::rtt::RttEstimator;
 use super::sender::TxState;
-use super::stats::{ConnStats, PathHealth, PathStats};
+use super::stats::{ConnStats, PathStats};
 use super::{
     Completion, Micros, MsgError, MsgId, PayloadSource, Placer, PostError, ProtoConfig, RecvSpec, Transmit, MAX_OUTSTANDING_RECVS,
     MAX_OUTSTANDING_SENDS, MAX_RECV_BUFS,
@@ -77,7 +76,7 @@ pub struct Connection {
     next_msg_id: u64,
     pub(super) tx: TxState,
     pub(super) rx: RxState,
-    pub(super) paths: Vec<Path>,
+    pub(super) paths: Paths,
     /// RTT of the connection as a whole, for CTS retransmission and probes.
     pub(super) ctl_rtt: RttEstimator,
     pub(super) stats: ConnStats,
@@ -91,15 +90,6 @@ pub struct Connection {
     last_ping_at: Option<Micros>,
     ping_due: bool,
     pong_due: Option<(u16, u32)>,
-    probes_due: VecDeque<u16>,
-    /// Probes are paced: at most one per `path_revive_us` per connection, longest-dead path first, so
-    /// a failure that killed dozens of entropies does not turn into a stream of probes into it.
-    next_probe_at: Micros,
-    ctl_rr: u16,
-    /// Per-path retransmission deadlines for `next_timeout`.
-    pub(super) rto_deadlines: RtoDeadlines,
-    /// Paths now marked dead.
-    pub(super) dead_paths: u16,
 }
 
 impl std::fmt::Debug for Connection {
@@ -119,8 +109,7 @@ impl Connection {
     pub fn new(cfg: ProtoConfig, local_token: u64, peer_token: u64, policy: Box<dyn PathPolicy>, now: Micros) -> Self {
         let cfg = cfg.sanitized();
         let rtt = RttEstimator::new(cfg.rto_min_us, cfg.rto_max_us, cfg.rto_initial_us);
-        let paths = (0..cfg.n_paths).map(|_| Path::new(rtt.clone())).collect();
-        let rto_deadlines = RtoDeadlines::new(cfg.n_paths);
+        let paths = Paths::new(cfg.n_paths, &rtt, cfg.path_dead_after, cfg.path_revive_us);
         let stats = ConnStats {
             reorder_threshold: cfg.reorder_threshold,
             paths: (0..cfg.n_paths).map(|entropy| PathStats { entropy, rto_us: rtt.rto_us(), ..PathStats::default() }).collect(),
@@ -145,11 +134,6 @@ impl Connection {
             last_ping_at: None,
             ping_due: false,
             pong_due: None,
-            probes_due: VecDeque::new(),
-            next_probe_at: 0,
-            ctl_rr: 0,
-            rto_deadlines,
-            dead_paths: 0,
         }
     }
 
@@ -288,6 +272,7 @@ impl Connection {
             Parsed::Sack(s) => self.on_sack(&s, now),
             Parsed::Control(c) => self.on_control(&c, now),
         }
+        self.flush_feedback();
         self.update_work(now);
     }
 
@@ -319,17 +304,7 @@ impl Connection {
                 if rtt <= i32::MAX as u32 {
                     self.ctl_rtt.sample(u64::from(rtt));
                 }
-                let e = c.entropy;
-                if e < self.cfg.n_paths && matches!(self.paths[e as usize].probe, Probe::Sent(_)) {
-                    let path = &mut self.paths[e as usize];
-                    path.consecutive_timeouts = 0;
-                    path.consecutive_losses = 0;
-                    path.timeout_tx_seq = None;
-                    if let Probe::Sent(at) = path.probe {
-                        path.last_ok_sent_at = Some(path.last_ok_sent_at.map_or(at, |t| t.max(at)));
-                    }
-                    self.set_health(e, PathHealth::Alive, now);
-                }
+                self.paths.pong(c.entropy, now, &mut self.stats.paths);
             }
             ControlKind::Close => {
                 tracing::debug!(peer = self.peer_token, "peer closed the connection");
@@ -345,13 +320,7 @@ impl Connection {
         }
         self.ping_due = false;
         self.pong_due = None;
-        self.probes_due.clear();
-        self.rto_deadlines.touch_all();
-        for (path, ps) in self.paths.iter_mut().zip(&mut self.stats.paths) {
-            path.queue.clear();
-            path.in_flight = 0;
-            ps.in_flight = 0;
-        }
+        self.paths.clear_in_flight(&mut self.stats.paths);
         self.work_since = None;
         self.life = match error {
             MsgError::Closed => Life::Closed { close_due: true, last_close_at: None },
@@ -394,50 +363,16 @@ impl Connection {
         Some(base.saturating_add(self.cfg.keepalive_us))
     }
 
-    /// Dead paths are probed again after `path_revive_us`, and a probe without answer re-arms that.
-    /// Only while work is outstanding: an idle connection has no use for paths.
+    /// Probe timers of suspect and dead paths (see `paths.rs`); only while work is outstanding: an
+    /// idle connection has no use for paths.
     fn path_timer_deadline(&self) -> Option<Micros> {
         self.work_since?;
-        let probe_wait = self.ctl_rtt.rto_us();
-        self.paths
-            .iter()
-            .filter(|p| p.health == PathHealth::Dead)
-            .filter_map(|p| match p.probe {
-                Probe::Idle => Some(p.dead_since.saturating_add(self.cfg.path_revive_us).max(self.next_probe_at)),
-                Probe::Sent(at) => Some(at.saturating_add(probe_wait)),
-                Probe::Due => None,
-            })
-            .min()
+        self.paths.timer_deadline(self.ctl_rtt.rto_us())
     }
 
     fn on_path_timers(&mut self, now: Micros) {
-        if self.work_since.is_none() || self.dead_paths == 0 {
-            return;
-        }
-        let probe_wait = self.ctl_rtt.rto_us();
-        let revive = self.cfg.path_revive_us;
-        // The longest-dead path whose revive time came, if the pacing allows a probe now.
-        let mut next: Option<(Micros, u16)> = None;
-        for e in 0..self.cfg.n_paths {
-            let p = &mut self.paths[e as usize];
-            if p.health != PathHealth::Dead {
-                continue;
-            }
-            match p.probe {
-                Probe::Idle if p.dead_since.saturating_add(revive) <= now && !matches!(next, Some((since, _)) if since <= p.dead_since) => {
-                    next = Some((p.dead_since, e));
-                }
-                Probe::Sent(at) if at.saturating_add(probe_wait) <= now => {
-                    p.probe = Probe::Idle;
-                    p.dead_since = now;
-                }
-                _ => {}
-            }
-        }
-        if let Some((_, e)) = next.filter(|_| self.next_probe_at <= now) {
-            self.paths[e as usize].probe = Probe::Due;
-            self.probes_due.push_back(e);
-            self.next_probe_at = now.saturating_add(revive);
+        if self.work_since.is_some() {
+            self.paths.on_timers(now, self.ctl_rtt.rto_us(), &mut self.stats.paths);
         }
     }
 
@@ -465,6 +400,10 @@ impl Connection {
             }
         }
         self.on_rto(now);
+        if self.tx.rack_timer.is_some_and(|t| t <= now) {
+            self.detect_losses(now);
+        }
+        self.on_tlp_timer(now);
         self.on_path_timers(now);
         self.on_sack_timer(now);
         self.on_cts_timers(now);
@@ -472,20 +411,28 @@ impl Connection {
             self.ping_due = true;
             self.last_ping_at = Some(now);
         }
+        self.flush_feedback();
         self.update_work(now);
     }
 
     /// The next instant `handle_timeout` must run; `None` when nothing is pending (no work outstanding
     /// and no timer armed). While work is outstanding this is never `None` (the peer timeout is armed).
-    pub fn poll_timeout(&self) -> Option<Micros> {
+    ///
+    /// Cheap enough for drivers with many connections (the fabric simulator): per-path retransmission
+    /// deadlines are cached and only the paths that changed since the last call are looked at again,
+    /// probe timers are looked at only while a path is suspect or dead, and CTS timers only among CTS
+    /// not yet acknowledged.
+    pub fn poll_timeout(&mut self) -> Option<Micros> {
         if !matches!(self.life, Life::Open) {
             return None;
         }
         [
+            self.rto_deadline(),
             self.peer_deadline().map(|(_, d)| d),
             self.stall_deadline().map(|(_, d, _)| d),
             self.keepalive_deadline(),
-            self.rto_deadline(),
+            self.tx.rack_timer,
+            self.tlp_deadline(),
             self.path_timer_deadline(),
             self.sack_deadline(),
             self.cts_deadline(),
@@ -493,34 +440,6 @@ impl Connection {
         .into_iter()
         .flatten()
         .min()
-    }
-
-    /// The same deadline as [`poll_timeout`](Self::poll_timeout), amortised O(1) instead of a scan of
-    /// every path and every outstanding CTS: per-path retransmission deadlines are cached and only the
-    /// paths that changed since the last call are looked at again, dead-path timers are skipped while
-    /// no path is dead, and CTS timers are looked for only among CTS not yet acknowledged. For drivers
-    /// with many connections (the fabric simulator).
-    pub fn next_timeout(&mut self) -> Option<Micros> {
-        if !matches!(self.life, Life::Open) {
-            return None;
-        }
-        fn min(a: Option<Micros>, b: Option<Micros>) -> Option<Micros> {
-            match (a, b) {
-                (Some(a), Some(b)) => Some(a.min(b)),
-                (a, None) => a,
-                (None, b) => b,
-            }
-        }
-        let mut t = self.rto_deadlines.earliest(&self.paths);
-        t = min(t, self.peer_deadline().map(|(_, d)| d));
-        t = min(t, self.stall_deadline().map(|(_, d, _)| d));
-        t = min(t, self.keepalive_deadline());
-        t = min(t, self.sack_deadline());
-        t = min(t, self.unacked_cts_deadline());
-        if self.dead_paths > 0 {
-            t = min(t, self.path_timer_deadline());
-        }
-        t
     }
 
     /// The next datagram to send, written into `out` (which should hold `max_payload +
@@ -545,16 +464,10 @@ impl Connection {
             self.pong_due = None;
             return Some(t);
         }
-        while let Some(&e) = self.probes_due.front() {
-            if self.paths[e as usize].probe != Probe::Due {
-                self.probes_due.pop_front();
-                continue;
+        if self.paths.probe_pending() && out.len() >= crate::wire::CONTROL_LEN {
+            if let Some(e) = self.paths.next_probe(now, &mut self.stats.paths) {
+                return self.emit_control(ControlKind::Ping, Some((e, e, now as u32)), out);
             }
-            let t = self.emit_control(ControlKind::Ping, Some((e, e, now as u32)), out)?;
-            self.probes_due.pop_front();
-            self.paths[e as usize].probe = Probe::Sent(now);
-            self.stats.paths[e as usize].probes_sent += 1;
-            return Some(t);
         }
         if self.ping_due {
             let e = self.ctl_entropy();
@@ -597,22 +510,9 @@ impl Connection {
         Some(Transmit { entropy: path, len: repr.buffer_len() })
     }
 
-    /// Round-robin over the paths new packets would take (not dead and, during a failure episode,
-    /// proven since it began), so control traffic is not stuck on a broken one.
+    /// Round-robin over the fittest paths, so control traffic is not stuck on a broken one.
     pub(super) fn ctl_entropy(&mut self) -> u16 {
-        let n = self.cfg.n_paths;
-        let episode = self.proven_filter();
-        for _ in 0..n {
-            let e = self.ctl_rr % n;
-            self.ctl_rr = (e + 1) % n;
-            let p = &self.paths[e as usize];
-            if p.usable() && p.proven_in(episode) {
-                return e;
-            }
-        }
-        let e = self.ctl_rr % n;
-        self.ctl_rr = (e + 1) % n;
-        e
+        self.paths.ctl_entropy()
     }
 
     /// The next finished request, if any.

@@ -1,5 +1,5 @@
 //! The earliest per-path retransmission deadline, kept up to date incrementally so that
-//! [`Connection::next_timeout`](super::Connection::next_timeout) does not scan every path.
+//! [`Connection::poll_timeout`](super::Connection::poll_timeout) does not scan every path.
 //!
 //! A path's deadline (`Path::rto_deadline`: its oldest transmission's send time plus its RTO) changes
 //! only when its queue of transmissions or its RTT estimator changes. Every place that changes them

@@ -1,4 +1,4 @@
-//! What the sender knows about one path (entropy): RTT and RTO, packets in flight, health.
+//! What the sender knows about one path (entropy): RTT and RTO, packets in flight, health, probing.
 
 use std::collections::VecDeque;
 
@@ -14,10 +14,10 @@ pub(crate) struct TxEntry {
     pub(crate) sent_at: Micros,
 }
 
-/// Probing of a dead path.
+/// Probing of a suspect or dead path.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Probe {
-    /// Not probing (alive, or dead and waiting for `path_revive_us`).
+    /// Not probing (alive, or dead and waiting for its next probe time).
     Idle,
     /// A probe PING should go out on this path.
     Due,
@@ -33,16 +33,29 @@ pub(crate) struct Path {
     /// resent are removed lazily, but the front is always a packet still in flight on this path, so it
     /// is the one whose RTO expires first.
     pub(crate) queue: VecDeque<TxEntry>,
+    /// When its RTO last fired: the next one is an RTO after the later of this and the send time of
+    /// its oldest packet in flight (a timeout during a stall leaves the packets in flight).
+    pub(crate) rto_fired_at: Micros,
     pub(crate) health: PathHealth,
     pub(crate) consecutive_timeouts: u32,
-    /// Losses (by reordering or timeout) since the path last delivered a packet sent after them.
+    /// Losses (by time, reordering or timeout) since the path last delivered a packet sent after them.
     pub(crate) consecutive_losses: u32,
     pub(crate) last_loss_tx_seq: u64,
+    /// One past the newest transmission on this path known to have arrived: a loss of an older one
+    /// is random loss on a working path, not a failure.
+    pub(crate) delivered_tx_end: u64,
+    /// Probes of this suspect path that went unanswered.
+    pub(crate) probe_failures: u32,
     /// Transmissions from this one on were sent after the last timeout; acknowledgements of older
     /// ones do not prove the path works now.
     pub(crate) timeout_tx_seq: Option<u64>,
-    pub(crate) dead_since: Micros,
+    /// When the path last became suspect or dead: the next probe of a dead path is due `revive_wait`
+    /// after it.
+    pub(crate) bad_since: Micros,
     pub(crate) probe: Probe,
+    /// How long a dead path waits before its next probe: a few RTOs at first, doubled after every
+    /// unanswered probe up to `path_revive_us`.
+    pub(crate) revive_wait: Micros,
     /// Largest RTT since the last timeout and smallest ever: a policy compares them to tell a failure
     /// (low RTT, then silence) from congestion (rising RTT).
     pub(crate) max_rtt_since_timeout_us: u32,
@@ -58,20 +71,29 @@ impl Path {
             rtt,
             in_flight: 0,
             queue: VecDeque::new(),
+            rto_fired_at: 0,
             health: PathHealth::Alive,
             consecutive_timeouts: 0,
             consecutive_losses: 0,
             last_loss_tx_seq: 0,
+            delivered_tx_end: 0,
+            probe_failures: 0,
             timeout_tx_seq: None,
-            dead_since: 0,
+            bad_since: 0,
             probe: Probe::Idle,
+            revive_wait: 0,
             max_rtt_since_timeout_us: 0,
             base_rtt_us: None,
             last_ok_sent_at: None,
         }
     }
 
-    /// New packets may use this path.
+    /// New packets may use this path without reservation: it lost nothing recently.
+    pub(crate) fn alive(&self) -> bool {
+        self.health == PathHealth::Alive
+    }
+
+    /// Not dead: new packets may use it when no alive path is available.
     pub(crate) fn usable(&self) -> bool {
         self.health != PathHealth::Dead
     }
@@ -91,6 +113,6 @@ impl Path {
 
     /// When this path's oldest packet in flight times out.
     pub(crate) fn rto_deadline(&self) -> Option<Micros> {
-        self.queue.front().map(|f| f.sent_at.saturating_add(self.rtt.rto_us()))
+        self.queue.front().map(|f| f.sent_at.max(self.rto_fired_at).saturating_add(self.rtt.rto_us()))
     }
 }

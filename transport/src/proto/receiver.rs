@@ -173,20 +173,9 @@ impl Connection {
         rx.cts_acked = ack;
     }
 
-    /// Earliest CTS retransmission.
+    /// Earliest CTS retransmission, looking only at groups from the first unacknowledged CTS on
+    /// (groups are in CTS order, and acknowledged ones never time out).
     pub(super) fn cts_deadline(&self) -> Option<Micros> {
-        let rto = self.ctl_rtt.rto_us();
-        self.rx
-            .groups
-            .iter()
-            .filter(|g| g.seq >= self.rx.cts_acked && !g.cts_queued)
-            .filter_map(|g| g.cts_sent_at.map(|at| at.saturating_add(self.cts_backoff(rto, g.cts_retries))))
-            .min()
-    }
-
-    /// `cts_deadline` looking only at groups from the first unacknowledged CTS on (groups are in CTS
-    /// order, and acknowledged ones never time out).
-    pub(super) fn unacked_cts_deadline(&self) -> Option<Micros> {
         let rto = self.ctl_rtt.rto_us();
         let first = self.rx.groups.partition_point(|g| g.seq < self.rx.cts_acked);
         self.rx

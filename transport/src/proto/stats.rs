@@ -8,12 +8,14 @@ use crate::wire::WireError;
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize)]
 #[serde(rename_all = "lowercase")]
 pub enum PathHealth {
-    /// No recent timeout.
+    /// Carries new packets.
     #[default]
     Alive,
-    /// At least one timeout since the path last delivered.
+    /// Lost a packet (or had a timeout) since it last delivered: avoided by new packets while alive
+    /// paths exist, and probed.
     Suspect,
-    /// `path_dead_after` consecutive timeouts: new packets avoid it until a probe gets through.
+    /// Two losses in a row, `path_dead_after` timeouts in a row or an unanswered probe: avoided until
+    /// a probe gets through.
     Dead,
 }
 
@@ -125,12 +127,18 @@ pub struct ConnStats {
     pub data_bytes_sent: u64,
     /// DATA packets retransmitted.
     pub retransmissions: u64,
-    /// Packets declared lost by the reorder threshold.
+    /// Packets declared lost by the time-based rule: overdue (an RTT and a reordering window after
+    /// they left) while a packet sent after them arrived. Includes the tail losses a tail-loss probe
+    /// revealed.
+    pub time_losses: u64,
+    /// Packets declared lost by the reorder count (`reorder_threshold` later transmissions
+    /// acknowledged) before the time-based rule found them.
     pub reorder_losses: u64,
-    /// Packets declared lost by a path's retransmission timeout.
+    /// Packets declared lost by a path's retransmission timeout (the backstop: neither rule above
+    /// nor a tail-loss probe found them).
     pub timeout_losses: u64,
-    /// Packets written off because their path was marked dead.
-    pub dead_path_losses: u64,
+    /// Tail-loss probes sent: nothing was acknowledged for two RTTs with packets in flight.
+    pub tail_probes: u64,
     /// Retransmissions found needless: the packet was acknowledged before the resend went out, or
     /// the receiver reported the resent copy as a duplicate.
     pub spurious_retransmissions: u64,

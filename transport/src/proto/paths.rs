@@ -1,0 +1,422 @@
+//! The one owner of per-path state: every path's RTT, transmissions in flight and health, the
+//! failure episode, probing of suspect and dead paths, and the cached retransmission deadlines. It
+//! turns what the sender learns (a delivery, a loss, a timeout, a PONG) into health changes and into
+//! [`Feedback`] events for the path policy, which the connection hands on in order.
+//!
+//! Health, in round trips (RFC 8985's spirit applied per path):
+//! - **Alive**: carries new packets.
+//! - **Suspect**: lost a packet while packets sent after it on other paths arrived (found by the
+//!   time-based detector, one RTT and a reordering window after it left), or had a retransmission
+//!   timeout. New packets and retransmissions avoid it while alive paths exist, and a probe PING goes
+//!   out on it at once. A PONG, or a delivered packet sent after the loss, makes it alive again; a loss
+//!   taken back (the packet was only late) too.
+//! - **Dead**: a second loss in a row, `path_dead_after` timeouts in a row, or two probes unanswered
+//!   for a probe wait (the connection's RTO) each. A loss of a packet older than one the path
+//!   delivered counts for nothing: that is random loss on a working path. Avoided by everything; probed again after `revive_wait`
+//!   (a few RTOs, doubled per unanswered probe up to `path_revive_us`), at most one dead-path probe per
+//!   RTO per connection, longest-waiting first; a PONG revives it.
+//!
+//! While some path is dead a failure episode is going on: new packets keep to paths proven to work
+//! since shortly before the first of them died (a failing spine takes many entropies at once, and a
+//! spraying connection finds each only by losing a packet on it).
+
+use std::collections::VecDeque;
+
+use prism_lb::Feedback;
+
+use super::deadline::RtoDeadlines;
+use super::path::{Path, Probe};
+use super::rtt::RttEstimator;
+use super::stats::{PathHealth, PathStats};
+use super::Micros;
+
+/// Losses in a row on one path (a timeout counts as one; a loss later found spurious is taken
+/// back), with nothing sent on it after them delivered in between, that kill it. The first makes it
+/// suspect (avoided and probed); a second one, typically a packet that was already in flight on it
+/// behind the first, confirms it.
+const LOSS_RUN_DEAD: u32 = 2;
+
+/// During a failure episode, fewer paths proven since it began than this: other live paths are used
+/// too (explored), so the connection never squeezes itself onto one or two paths.
+const MIN_PROVEN_PATHS: usize = 4;
+
+/// Probes of a suspect path that must go unanswered (each for a probe wait) before it is dead: one
+/// lost PING or PONG under random loss does not kill a path.
+const SUSPECT_PROBES: u32 = 2;
+
+/// A dead path's first probe waits this many probe waits (RTOs) after it died.
+const FIRST_REVIVE_RTOS: u64 = 4;
+
+/// How fit a path is for a new packet, best first.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub(crate) enum Fitness {
+    /// Alive and, during a failure episode, proven since it began.
+    Good,
+    /// Alive but not proven during the episode.
+    Unproven,
+    /// Suspect: lost something recently.
+    Suspect,
+    /// Dead.
+    Dead,
+}
+
+#[derive(Debug)]
+pub(crate) struct Paths {
+    list: Vec<Path>,
+    deadlines: RtoDeadlines,
+    /// Paths dead now.
+    dead: u16,
+    /// Paths suspect now.
+    suspect: u16,
+    /// The failure episode: since when only paths proven since then carry new packets. Ends when no
+    /// path is dead any more.
+    episode_since: Option<Micros>,
+    /// Send time of the packet whose loss was last held against its path: a death it causes dates
+    /// the episode from there.
+    blamed_sent_at: Option<Micros>,
+    /// Paths whose probe is due, in order.
+    probes_due: VecDeque<u16>,
+    /// Dead-path probes are paced per connection: the next one not before this.
+    next_probe_at: Micros,
+    ctl_rr: u16,
+    path_dead_after: u32,
+    path_revive_us: u64,
+    /// Feedback for the path policy, in the order it happened.
+    events: Vec<Feedback>,
+}
+
+impl Paths {
+    pub(crate) fn new(n: u16, rtt: &RttEstimator, path_dead_after: u32, path_revive_us: u64) -> Self {
+        Self {
+            list: (0..n).map(|_| Path::new(rtt.clone())).collect(),
+            deadlines: RtoDeadlines::new(n),
+            dead: 0,
+            suspect: 0,
+            episode_since: None,
+            blamed_sent_at: None,
+            probes_due: VecDeque::new(),
+            next_probe_at: 0,
+            ctl_rr: 0,
+            path_dead_after,
+            path_revive_us,
+            events: Vec::new(),
+        }
+    }
+
+    pub(crate) fn len(&self) -> u16 {
+        self.list.len() as u16
+    }
+
+    pub(crate) fn get(&self, e: u16) -> &Path {
+        &self.list[e as usize]
+    }
+
+    /// Path `e` for changes to its transmissions or RTT (its cached deadline is recomputed).
+    pub(crate) fn get_mut(&mut self, e: u16) -> &mut Path {
+        self.deadlines.touch(e);
+        &mut self.list[e as usize]
+    }
+
+    /// Feedback for the policy since the last call, oldest first.
+    pub(crate) fn take_events(&mut self) -> std::vec::Drain<'_, Feedback> {
+        self.events.drain(..)
+    }
+
+    pub(crate) fn push_event(&mut self, fb: Feedback) {
+        self.events.push(fb);
+    }
+
+    /// The earliest retransmission deadline of any path (cached; only changed paths are looked at).
+    pub(crate) fn earliest_rto(&mut self) -> Option<Micros> {
+        self.deadlines.earliest(&self.list)
+    }
+
+    /// The start of the failure episode, if one is going on and enough paths were proven since then
+    /// for new packets to keep to them.
+    pub(crate) fn episode(&self) -> Option<Micros> {
+        let since = self.episode_since?;
+        let proven = self.list.iter().filter(|p| p.alive() && p.proven_since(since)).take(MIN_PROVEN_PATHS).count();
+        (proven >= MIN_PROVEN_PATHS).then_some(since)
+    }
+
+    pub(crate) fn fitness(&self, e: u16, episode: Option<Micros>) -> Fitness {
+        let p = &self.list[e as usize];
+        match p.health {
+            PathHealth::Dead => Fitness::Dead,
+            PathHealth::Suspect => Fitness::Suspect,
+            PathHealth::Alive if p.proven_in(episode) => Fitness::Good,
+            PathHealth::Alive => Fitness::Unproven,
+        }
+    }
+
+    /// Whether any path is not alive (then picks must be checked).
+    pub(crate) fn any_bad(&self) -> bool {
+        self.dead > 0 || self.suspect > 0
+    }
+
+    /// Round-robin over the fittest paths, for control packets, so they are not stuck on a broken one.
+    pub(crate) fn ctl_entropy(&mut self) -> u16 {
+        let n = self.len();
+        let episode = self.episode();
+        let mut best: Option<(Fitness, u16)> = None;
+        for _ in 0..n {
+            let e = self.ctl_rr % n;
+            self.ctl_rr = (e + 1) % n;
+            let f = self.fitness(e, episode);
+            if f == Fitness::Good {
+                return e;
+            }
+            if !matches!(best, Some((bf, _)) if bf <= f) {
+                best = Some((f, e));
+            }
+        }
+        best.map_or(0, |(_, e)| e)
+    }
+
+    /// Transmission `tx_seq` on `e`, sent at `sent_at`, arrived. Sent after the path's last loss or
+    /// timeout, it proves the path works: its loss run ends and it is alive again (unless dead: only a
+    /// probe revives a dead path, since late packets from before the failure prove nothing).
+    pub(crate) fn delivered(&mut self, e: u16, tx_seq: u64, sent_at: Micros, now: Micros, ps: &mut [PathStats]) {
+        let p = &mut self.list[e as usize];
+        p.last_ok_sent_at = Some(p.last_ok_sent_at.map_or(sent_at, |t| t.max(sent_at)));
+        p.delivered_tx_end = p.delivered_tx_end.max(tx_seq + 1);
+        if tx_seq > p.last_loss_tx_seq {
+            p.consecutive_losses = 0;
+        }
+        if p.timeout_tx_seq.is_some_and(|t| tx_seq < t) {
+            return;
+        }
+        p.consecutive_timeouts = 0;
+        if p.health == PathHealth::Suspect && p.consecutive_losses == 0 {
+            self.set_health(e, PathHealth::Alive, now, ps);
+        }
+    }
+
+    /// A loss on `e` turned out to be a late arrival: take it back.
+    pub(crate) fn loss_taken_back(&mut self, e: u16, now: Micros, ps: &mut [PathStats]) {
+        let p = &mut self.list[e as usize];
+        p.consecutive_losses = p.consecutive_losses.saturating_sub(1);
+        if p.health == PathHealth::Suspect && p.consecutive_losses == 0 && p.consecutive_timeouts == 0 {
+            self.set_health(e, PathHealth::Alive, now, ps);
+        }
+    }
+
+    /// Transmission `tx_seq` on `e`, sent at `sent_at`, was found lost by the time-based detector or
+    /// the reorder count while later packets arrived. `blame`: the loss says something about the path
+    /// (not a stall of the peer).
+    pub(crate) fn lost(&mut self, e: u16, tx_seq: u64, sent_at: Micros, blame: bool, now: Micros, ps: &mut [PathStats]) {
+        let p = &mut self.list[e as usize];
+        p.last_loss_tx_seq = p.last_loss_tx_seq.max(tx_seq);
+        if !blame || p.delivered_tx_end > tx_seq {
+            // A stall, or a packet sent after it on the same path arrived (random loss on a path
+            // that works): nothing against the path.
+            return;
+        }
+        p.consecutive_losses += 1;
+        self.blamed_sent_at = Some(sent_at);
+        if p.consecutive_losses >= LOSS_RUN_DEAD && p.health != PathHealth::Dead {
+            tracing::debug!(entropy = e, run = p.consecutive_losses, "path lost every recent packet");
+            self.set_health(e, PathHealth::Dead, now, ps);
+        } else if p.health == PathHealth::Alive {
+            self.set_health(e, PathHealth::Suspect, now, ps);
+        }
+    }
+
+    /// The RTO of `e`'s oldest packet in flight (transmission `tx_seq`, sent at `sent_at`) expired and
+    /// the path is blamed for it. `next_tx_seq`: transmissions from here on were sent after it.
+    pub(crate) fn timed_out(&mut self, e: u16, tx_seq: u64, sent_at: Micros, next_tx_seq: u64, now: Micros, ps: &mut [PathStats]) {
+        let p = &mut self.list[e as usize];
+        p.consecutive_timeouts += 1;
+        p.consecutive_losses += 1;
+        p.last_loss_tx_seq = p.last_loss_tx_seq.max(tx_seq);
+        p.timeout_tx_seq = Some(next_tx_seq);
+        self.blamed_sent_at = Some(sent_at);
+        self.events.push(Feedback::Timeout {
+            entropy: Some(e),
+            max_rtt_us: p.max_rtt_since_timeout_us,
+            base_rtt_us: p.base_rtt_us.unwrap_or(0),
+            now_us: now,
+        });
+        p.max_rtt_since_timeout_us = 0;
+        let dead = p.consecutive_timeouts >= self.path_dead_after || p.consecutive_losses >= LOSS_RUN_DEAD;
+        tracing::debug!(entropy = e, consecutive = p.consecutive_timeouts, "retransmission timeout");
+        if p.health != PathHealth::Dead {
+            self.set_health(e, if dead { PathHealth::Dead } else { PathHealth::Suspect }, now, ps);
+        }
+    }
+
+    /// A PONG answered a probe on `e`: it works.
+    pub(crate) fn pong(&mut self, e: u16, now: Micros, ps: &mut [PathStats]) {
+        let Some(p) = self.list.get_mut(e as usize) else { return };
+        let Probe::Sent(at) = p.probe else { return };
+        p.consecutive_timeouts = 0;
+        p.consecutive_losses = 0;
+        p.timeout_tx_seq = None;
+        p.probe = Probe::Idle;
+        p.revive_wait = 0;
+        p.last_ok_sent_at = Some(p.last_ok_sent_at.map_or(at, |t| t.max(at)));
+        self.set_health(e, PathHealth::Alive, now, ps);
+    }
+
+    /// Move a path to a new health state, telling the policy when it dies or comes back.
+    fn set_health(&mut self, e: u16, health: PathHealth, now: Micros, ps: &mut [PathStats]) {
+        let was = self.list[e as usize].health;
+        if was == health {
+            return;
+        }
+        match was {
+            PathHealth::Dead => self.dead -= 1,
+            PathHealth::Suspect => self.suspect -= 1,
+            PathHealth::Alive => {}
+        }
+        match health {
+            PathHealth::Dead => self.dead += 1,
+            PathHealth::Suspect => self.suspect += 1,
+            PathHealth::Alive => {}
+        }
+        let p = &mut self.list[e as usize];
+        p.health = health;
+        ps[e as usize].state = health;
+        ps[e as usize].state_changes += 1;
+        match health {
+            PathHealth::Dead => {
+                // The failure had begun when the packet whose loss revealed it was sent: a path that
+                // delivered a packet sent after that works. (Without such a loss, an RTO before now.)
+                let since = self.blamed_sent_at.take().unwrap_or(now.saturating_sub(p.rtt.rto_us()));
+                self.episode_since.get_or_insert(since);
+                p.bad_since = now;
+                if !matches!(p.probe, Probe::Sent(_)) {
+                    p.probe = Probe::Idle;
+                }
+                tracing::info!(entropy = e, timeouts = p.consecutive_timeouts, losses = p.consecutive_losses, "path marked dead");
+                self.events.push(Feedback::PathState { entropy: e, alive: false, now_us: now });
+            }
+            PathHealth::Suspect => {
+                p.bad_since = now;
+                p.probe_failures = 0;
+                if p.probe == Probe::Idle {
+                    p.probe = Probe::Due;
+                    self.probes_due.push_back(e);
+                }
+            }
+            PathHealth::Alive => {
+                p.probe = Probe::Idle;
+                p.revive_wait = 0;
+                if was == PathHealth::Dead {
+                    tracing::info!(entropy = e, "path alive again");
+                    self.events.push(Feedback::PathState { entropy: e, alive: true, now_us: now });
+                }
+            }
+        }
+        if self.dead == 0 {
+            self.episode_since = None;
+        }
+    }
+
+    /// The next probe to send, if one is due: the path is marked probed at `now`.
+    pub(crate) fn next_probe(&mut self, now: Micros, ps: &mut [PathStats]) -> Option<u16> {
+        while let Some(e) = self.probes_due.pop_front() {
+            let p = &mut self.list[e as usize];
+            if p.probe == Probe::Due && p.health != PathHealth::Alive {
+                p.probe = Probe::Sent(now);
+                ps[e as usize].probes_sent += 1;
+                return Some(e);
+            }
+            if p.probe == Probe::Due {
+                p.probe = Probe::Idle;
+            }
+        }
+        None
+    }
+
+    /// Probes not yet sent.
+    pub(crate) fn probe_pending(&self) -> bool {
+        !self.probes_due.is_empty()
+    }
+
+    /// When a probe timer expires: a probe went unanswered, or a dead path's next probe comes due.
+    /// `probe_wait`: how long a probe may take (the connection's RTO).
+    pub(crate) fn timer_deadline(&self, probe_wait: Micros) -> Option<Micros> {
+        if self.dead == 0 && self.suspect == 0 {
+            return None;
+        }
+        self.list
+            .iter()
+            .filter(|p| p.health != PathHealth::Alive)
+            .filter_map(|p| match p.probe {
+                Probe::Sent(at) => Some(at.saturating_add(probe_wait)),
+                Probe::Idle if p.health == PathHealth::Dead => {
+                    Some(p.bad_since.saturating_add(self.revive_wait(p, probe_wait)).max(self.next_probe_at))
+                }
+                Probe::Idle | Probe::Due => None,
+            })
+            .min()
+    }
+
+    fn revive_wait(&self, p: &Path, probe_wait: Micros) -> Micros {
+        if p.revive_wait == 0 {
+            (FIRST_REVIVE_RTOS * probe_wait).min(self.path_revive_us)
+        } else {
+            p.revive_wait
+        }
+    }
+
+    /// Run the probe timers: an unanswered probe makes a suspect path dead and backs off a dead one's
+    /// next probe; the longest-waiting dead path whose probe time came gets one, paced per connection.
+    pub(crate) fn on_timers(&mut self, now: Micros, probe_wait: Micros, ps: &mut [PathStats]) {
+        if self.dead == 0 && self.suspect == 0 {
+            return;
+        }
+        let mut next: Option<(Micros, u16)> = None;
+        for e in 0..self.len() {
+            let wait = self.revive_wait(&self.list[e as usize], probe_wait);
+            let p = &mut self.list[e as usize];
+            match (p.health, p.probe) {
+                (PathHealth::Alive, _) => {}
+                (health, Probe::Sent(at)) if at.saturating_add(probe_wait) <= now => {
+                    p.probe = Probe::Idle;
+                    if health == PathHealth::Dead {
+                        p.revive_wait = wait.saturating_mul(2).min(self.path_revive_us.max(wait));
+                        p.bad_since = now;
+                    } else {
+                        p.probe_failures += 1;
+                        if p.probe_failures >= SUSPECT_PROBES {
+                            tracing::debug!(entropy = e, "probes of a suspect path unanswered");
+                            self.set_health(e, PathHealth::Dead, now, ps);
+                        } else {
+                            p.probe = Probe::Due;
+                            self.probes_due.push_back(e);
+                        }
+                    }
+                }
+                (PathHealth::Dead, Probe::Idle) => {
+                    let due = p.bad_since.saturating_add(wait);
+                    if due <= now && !matches!(next, Some((d, _)) if d <= due) {
+                        next = Some((due, e));
+                    }
+                }
+                _ => {}
+            }
+        }
+        if let Some((_, e)) = next.filter(|_| self.next_probe_at <= now) {
+            let p = &mut self.list[e as usize];
+            if p.revive_wait == 0 {
+                p.revive_wait = (FIRST_REVIVE_RTOS * probe_wait).min(self.path_revive_us);
+            }
+            p.probe = Probe::Due;
+            self.probes_due.push_back(e);
+            self.next_probe_at = now.saturating_add(probe_wait);
+        }
+    }
+
+    /// Forget every transmission in flight (the connection died).
+    pub(crate) fn clear_in_flight(&mut self, ps: &mut [PathStats]) {
+        self.deadlines.touch_all();
+        self.probes_due.clear();
+        for (p, s) in self.list.iter_mut().zip(ps) {
+            p.queue.clear();
+            p.in_flight = 0;
+            s.in_flight = 0;
+        }
+    }
+}
