@@ -83,8 +83,14 @@ class Acceptance(unittest.TestCase):
         for p in ("reps", "pro", "spray", "dr"):
             self.assertIn(f"fault.blackhole.{p}", names)
 
-    def test_recovery_is_reported_in_rtts_but_not_asserted_without_a_limit(self):
+    def test_ci_asserts_recovery_in_rtts_for_every_black_hole_policy(self):
         cs = by_name(checks.evaluate(self.scn, good_runs()))
+        self.assertEqual(self.scn.checks.recovery_rtts_max, 30)
+        for p in ("reps", "pro", "spray", "dr"):
+            self.assertTrue(cs[f"recovery.blackhole.{p}"].ok, cs[f"recovery.blackhole.{p}"].detail)
+
+    def test_recovery_is_reported_in_rtts_but_not_asserted_without_a_limit(self):
+        cs = by_name(checks.evaluate(with_k(self.scn, None), good_runs()))
         self.assertFalse(any(n.startswith("recovery.") for n in cs))
         # 90 ms over the fault-free run's 30 ms mean RTT.
         self.assertIn("90 ms = 3.0 RTTs of 30.0 ms", cs["fault.blackhole.dr"].detail)
