@@ -7,11 +7,17 @@
   uneven moment by moment (imbalance in 100 ms windows above the tolerance); the balanced policies'
   figures on the same flows, the whole-run figures, and ecmp's on the many-flows workload are shown;
 * under each CCT fault (a black-holed spine path), every listed policy completes with CCT below
-  ratio x the fault-free run; the ratio and the time to recover are reported.
+  ratio x the fault-free run (the fault's own ``cct_ratio_max`` if it has one, else the scenario's); the
+  ratio and the time to recover are reported;
+* if the scenario sets ``recovery_rtts_max`` (K), under each CCT fault with a dead link every listed
+  policy moves the bulk of its bytes off the dead path within K round trips of the fault: the byte
+  reroute time (``recovery_bytes``) over the RTT Prism measured in the fault-free run of the same
+  workload and policy (``metrics.run_rtt_s``).
 """
 
 from __future__ import annotations
 
+from . import metrics
 from .report import baseline_of, fmt_pct
 from .scenario import Scenario
 from .selftest import Check
@@ -105,7 +111,8 @@ def evaluate(scn: Scenario, runs: list[dict]) -> list[Check]:
             ratio = (r["cct_s"] / base["cct_s"]) if (base and base.get("cct_s") and r.get("cct_s")) else None
             rec = r.get("recovery") or {}
             ttr = rec.get("ttr_s")
-            ok = bool(r["ok"]) and ratio is not None and ratio < c.cct_ratio_max
+            limit = fault.cct_ratio_max if fault.cct_ratio_max is not None else c.cct_ratio_max
+            ok = bool(r["ok"]) and ratio is not None and ratio < limit
             rr = rec.get("reroute_s")
             rec_txt = ((f"bulk off the dead path after {1000 * rr:.0f} ms" if rr is not None
                         else "the bulk never left the dead path") + "; "
@@ -113,10 +120,50 @@ def evaluate(scn: Scenario, runs: list[dict]) -> list[Check]:
                           else "packets entered it until the end")
                        + (f"; from 0.5 s after the fault it still got {100 * rec['residual_share']:.0f} % of its "
                           f"earlier rate" if rec.get("residual_share") is not None else "")) if rec else "no recovery data"
+            x = recovery_in_rtts(r, base)
+            if x["reroute_s"] is not None:
+                rec_txt += (f"; by bytes off the dead path after {1000 * x['reroute_s']:.0f} ms"
+                            + (f" = {x['rtts']:.1f} RTTs of {1000 * x['rtt_s']:.1f} ms" if x["rtts"] is not None else ""))
+            elif metrics.dead_path_recovery(r):
+                rec_txt += "; by bytes the bulk never stayed off the dead path"
+            if x["first_off_s"] is not None and x["first_off_s"] != x["reroute_s"]:
+                rec_txt += (f" (it first left it for 200 ms after {1000 * x['first_off_s']:.0f} ms"
+                            + (f" = {x['first_off_rtts']:.1f} RTTs" if x["first_off_rtts"] is not None else "") + ")")
             checks.append(Check(f"fault.{fname}.{p}", ok,
                                 f"{fault.workload} with {fault.kind} at {r.get('fault_at_s') or 0:.2f} s: data "
                                 f"{'verified' if r['ok'] else 'NOT verified'}, CCT {r.get('cct_s') or 0:.3f} s vs "
                                 f"{(base or {}).get('cct_s') or 0:.3f} s without = x{ratio if ratio is None else round(ratio, 2)} "
-                                f"(limit x{c.cct_ratio_max:g}); {rec_txt}",
-                                {"ratio": ratio, "recovery": rec, "data_ok": bool(r["ok"])}))
+                                f"(limit x{limit:g}); {rec_txt}",
+                                {"ratio": ratio, "recovery": rec, "recovery_bytes": x, "data_ok": bool(r["ok"])}))
+            if fault.kind in ("blackhole", "link_down") and c.recovery_rtts_max is not None:
+                checks.append(recovery_check(fname, p, r, base, c.recovery_rtts_max))
     return checks
+
+
+def recovery_in_rtts(r: dict, base: dict | None) -> dict:
+    """The time the bulk of a fault run's bytes took to leave the dead path, in seconds and in round
+    trips of the fault-free run (RTT as Prism measured it there, averaged over every sample)."""
+    by = metrics.dead_path_recovery(r) or {}
+    rtt = metrics.run_rtt_s(base)
+    rr = by.get("reroute_s")
+    fo = by.get("first_off_s")
+    return {"reroute_s": rr, "rtt_s": rtt, "rtts": (rr / rtt) if (rr is not None and rtt) else None,
+            "first_off_s": fo, "first_off_rtts": (fo / rtt) if (fo is not None and rtt) else None,
+            "resolution_s": by.get("resolution_s"), "residual_share": by.get("residual_share")}
+
+
+def recovery_check(fname: str, pol: str, r: dict, base: dict | None, k_max: float) -> Check:
+    """`recovery.<fault>.<policy>`: the bulk of the bytes off the dead path within `k_max` RTTs."""
+    x = recovery_in_rtts(r, base)
+    name = f"recovery.{fname}.{pol}"
+    if x["rtt_s"] is None:
+        return Check(name, False, "no RTT: the fault-free run has no RTT samples in PRISM_STATS", x)
+    if x["reroute_s"] is None:
+        first = (f"; it first left it after {1000 * x['first_off_s']:.0f} ms = {x['first_off_rtts']:.1f} RTTs"
+                 if x["first_off_s"] is not None else "")
+        return Check(name, False, f"the bulk of the bytes never stayed off the dead path (limit {k_max:g} RTTs of "
+                                  f"{1000 * x['rtt_s']:.1f} ms = {1000 * k_max * x['rtt_s']:.0f} ms){first}", x)
+    ok = x["rtts"] <= k_max
+    return Check(name, ok, f"bulk of the bytes off the dead path {1000 * x['reroute_s']:.0f} ms after the fault = "
+                           f"{x['rtts']:.1f} RTTs of {1000 * x['rtt_s']:.1f} ms (the fault-free run's mean RTT); "
+                           f"limit {k_max:g} RTTs", x)

@@ -10,6 +10,10 @@
 * ``loss``: every port of spine S drops ``loss_pct`` percent of IPv4 packets at random (nft numgen).
 * ``slow_spine``: every link of spine S is shaped down to ``bw_mbit`` (both directions).
 
+A fault may carry further faults (``also``) injected in the same run, each at its own ``at_s`` (e.g. loss
+on one spine from the start and a black hole on another later): ``inject_due`` fires each part when its
+time has come; the dead path is the primary fault's.
+
 Each fault is undone by ``clear()``, which is idempotent and also runs on teardown.
 """
 
@@ -38,12 +42,28 @@ class Injector:
         self.fabric = fabric
         self.fault = fault
         self.active = False
+        # The parts not injected yet (the fault itself and its `also`), in firing order.
+        self.pending: list[Fault] = fault.parts()
 
     # --- apply / clear ----------------------------------------------------------------------------------
 
     def inject(self) -> None:
-        """Applies the fault now."""
-        f, fab = self.fault, self.fabric
+        """Applies the fault (every part not injected yet) now."""
+        while self.pending:
+            self._inject_part(self.pending.pop(0))
+
+    def inject_due(self, elapsed_s: float) -> list[Fault]:
+        """Injects every part whose ``at_s`` is at most `elapsed_s` (seconds since data started); returns
+        those it injected, in order."""
+        done = []
+        while self.pending and self.pending[0].at_s <= elapsed_s:
+            part = self.pending.pop(0)
+            self._inject_part(part)
+            done.append(part)
+        return done
+
+    def _inject_part(self, f: Fault) -> None:
+        fab = self.fabric
         lf, sp = fab.leaf(f.leaf), fab.spine(f.spine)
         self.active = True
         if f.kind == "link_down":
@@ -72,31 +92,36 @@ class Injector:
         self.fabric.sh(node, f"nft '{ruleset}'")
 
     def clear(self) -> None:
-        """Undoes the fault (idempotent) and reinstalls the routes a downed port took with it."""
-        f, fab = self.fault, self.fabric
+        """Undoes the fault and its parts (idempotent) and reinstalls the routes a downed port took with
+        it."""
+        fab = self.fabric
         spec = fab.spec
         for node in fab.routers():
             node.cmd(f"nft delete table netdev {NFT_TABLE} 2>/dev/null")
-        if f.kind == "link_down":
-            fab.sh(fab.leaf(f.leaf), f"ip link set {uplink_if(f.leaf, f.spine)} up")
-            fab.sh(fab.spine(f.spine), f"ip link set {downlink_if(f.spine, f.leaf)} up")
-        if f.kind == "slow_spine":
-            for r in range(spec.rails):
-                fab.set_link_bw(fab.leaf(r), uplink_if(r, f.spine), spec.spine_bw_mbit)
-                fab.set_link_bw(fab.spine(f.spine), downlink_if(f.spine, r), spec.spine_bw_mbit)
+        for f in self.fault.parts():
+            if f.kind == "link_down":
+                fab.sh(fab.leaf(f.leaf), f"ip link set {uplink_if(f.leaf, f.spine)} up")
+                fab.sh(fab.spine(f.spine), f"ip link set {downlink_if(f.spine, f.leaf)} up")
+            if f.kind == "slow_spine":
+                for r in range(spec.rails):
+                    fab.set_link_bw(fab.leaf(r), uplink_if(r, f.spine), spec.spine_bw_mbit)
+                    fab.set_link_bw(fab.spine(f.spine), downlink_if(f.spine, r), spec.spine_bw_mbit)
         fab.routes()
+        self.pending = []
         self.active = False
 
     # --- what the fault hits ----------------------------------------------------------------------------
 
     def nft_drops(self) -> int:
-        """Packets the fault's nft rules dropped so far (0 for faults without rules)."""
-        f, fab = self.fault, self.fabric
-        nodes = []
-        if f.kind == "blackhole":
-            nodes = [fab.leaf(f.leaf), fab.spine(f.spine)]
-        elif f.kind == "loss":
-            nodes = [fab.spine(f.spine)]
+        """Packets the nft rules of the fault and its parts dropped so far (0 for faults without rules)."""
+        fab = self.fabric
+        names = []
+        for f in self.fault.parts():
+            if f.kind == "blackhole":
+                names += [leaf_name(f.leaf), spine_name(f.spine)]
+            elif f.kind == "loss":
+                names += [spine_name(f.spine)]
+        nodes = [n for n in fab.routers() if n.name in set(names)]
         total = 0
         for node in nodes:
             out = node.cmd(f"nft -j list table netdev {NFT_TABLE} 2>/dev/null")
@@ -116,6 +141,17 @@ class Injector:
             up = netdev.get(lf, {}).get(uplink_if(f.leaf, f.spine), {}).get("tx_packets", 0)
             return up + no_routes.get(sp, 0)
         return None
+
+    def dead_path_bytes(self, netdev: dict) -> int | None:
+        """Bytes sent onto a black-holed link (both ends' transmit counters), from one sample of the
+        counters; None for other faults (a cut link's victims die in the spine for want of a route, which
+        counts packets, not bytes)."""
+        f = self.fault
+        if f.kind != "blackhole":
+            return None
+        lf, sp = leaf_name(f.leaf), spine_name(f.spine)
+        return (netdev.get(lf, {}).get(uplink_if(f.leaf, f.spine), {}).get("tx_bytes", 0)
+                + netdev.get(sp, {}).get(downlink_if(f.spine, f.leaf), {}).get("tx_bytes", 0))
 
 
 def _sum_counters(text: str) -> int:

@@ -230,13 +230,20 @@ def spine_packets(spec: TopologySpec, netdev: dict) -> int:
                for r in range(spec.rails) for s in range(spec.spines))
 
 
+def spine_bytes_total(spec: TopologySpec, netdev: dict) -> int:
+    """Bytes sent onto every leaf-spine link (both directions), from one sample of the counters."""
+    return sum(netdev.get(leaf_name(r), {}).get(uplink_if(r, s), {}).get("tx_bytes", 0)
+               + netdev.get(spine_name(s), {}).get(downlink_if(s, r), {}).get("tx_bytes", 0)
+               for r in range(spec.rails) for s in range(spec.spines))
+
+
 def _rate(t: list[float], v: list[int], k0: int, k1: int) -> float:
     return (v[k1] - v[k0]) / (t[k1] - t[k0]) if t[k1] > t[k0] else 0.0
 
 
 def recovery(t: list[float], dead: list[int], total: list[int], t_fault: float, interval_s: float,
              window_s: float = 0.1, before_s: float = 0.3, residue: float = 0.05, busy: float = 0.2,
-             min_tail: float = 0.1, settle_s: float = 0.5) -> dict:
+             min_tail: float = 0.1, settle_s: float = 0.5, hold_s: float = 0.2) -> dict:
     """How traffic left a dead path, from cumulative packet counts sampled at times `t`: `dead` entered the
     dead path, `total` crossed the spines (dead path included).
 
@@ -248,6 +255,9 @@ def recovery(t: list[float], dead: list[int], total: list[int], t_fault: float, 
       never happened while traffic still flowed, or only for the last `min_tail` of the traffic.
     * ``residual_share``: the dead path's packet rate from `settle_s` after the fault on (busy windows),
       over its rate before the fault.
+    * ``first_off_s``: from the fault to the first moment from which the dead path stayed at most 5 % of
+      its earlier rate for `hold_s` (busy windows): when the bulk first left, even if a burst came back
+      later (which ``reroute_s`` does not forgive).
     """
     n = len(t)
     out: dict = {"resolution_s": interval_s, "recovered": False, "ttr_s": None, "reroute_s": None}
@@ -285,6 +295,14 @@ def recovery(t: list[float], dead: list[int], total: list[int], t_fault: float, 
     late = [(d, tot) for start, d, tot in windows if start >= t_fault + settle_s and tot >= busy * pre_total]
     if late:
         out["residual_share"] = (sum(d for d, _ in late) / len(late)) / pre_dead
+    # When the bulk *first* left (even if some of it came back later): the first busy window from which
+    # every busy window for `hold_s` stayed at most `residue` of the earlier rate.
+    busy_w = [(start, d) for start, d, tot in windows if tot >= busy * pre_total]
+    for i, (start, d) in enumerate(busy_w):
+        held = [dd for ss, dd in busy_w[i:] if ss <= start + hold_s]
+        if busy_w[-1][0] >= start + hold_s and all(dd <= residue * pre_dead for dd in held):
+            out["first_off_s"] = max(0.0, start - t_fault)
+            break
     ok_from = None
     for start, d, tot in reversed(windows):
         if tot < busy * pre_total:
@@ -331,6 +349,20 @@ def summarize_stats(docs: list) -> dict:
     paths were not alive at the end. Unknown shapes are skipped, so a schema change shows as missing
     numbers, not as a crash."""
     sums: dict[str, float] = {}
+    rtt = {"samples": 0, "sum_us": 0.0, "min_us": None, "max_us": None}
+
+    def add_rtt(paths: dict) -> None:
+        """Folds one closed-comm group's path RTT figures (sample-weighted) into `rtt`."""
+        n, avg = paths.get("rtt_samples"), paths.get("rtt_avg_us")
+        if not all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in (n, avg)) or n <= 0:
+            return
+        rtt["samples"] += n
+        rtt["sum_us"] += n * avg
+        lo, hi = paths.get("rtt_min_us"), paths.get("rtt_max_us")
+        if isinstance(lo, (int, float)) and not isinstance(lo, bool):
+            rtt["min_us"] = lo if rtt["min_us"] is None else min(rtt["min_us"], lo)
+        if isinstance(hi, (int, float)) and not isinstance(hi, bool):
+            rtt["max_us"] = hi if rtt["max_us"] is None else max(rtt["max_us"], hi)
 
     def add(k, v):
         if isinstance(v, (int, float)) and not isinstance(v, bool):
@@ -362,6 +394,7 @@ def summarize_stats(docs: list) -> dict:
                 add("path_state_changes", paths.get("state_changes"))
                 add("path_probes_sent", paths.get("probes_sent"))
                 add("paths_not_alive_at_close", paths.get("not_alive_at_close"))
+                add_rtt(paths)
         comms = d.get("comms")
         if isinstance(groups, list) or not isinstance(comms, list):
             comms = []
@@ -380,4 +413,30 @@ def summarize_stats(docs: list) -> dict:
             if isinstance(rail, dict):
                 add("unknown_token_dropped", rail.get("unknown_token_dropped"))
                 add("runt_dropped", rail.get("runt_dropped"))
+    if rtt["samples"]:
+        # Every RTT sample Prism took on every path of every comm of every rank, averaged: the round trip
+        # a packet of this run typically saw, queues included.
+        sums["rtt_samples"] = rtt["samples"]
+        sums["rtt_avg_us"] = round(rtt["sum_us"] / rtt["samples"], 1)
+        for k in ("min_us", "max_us"):
+            if rtt[k] is not None:
+                sums[f"rtt_{k}"] = rtt[k]
     return dict(sorted(sums.items()))
+
+
+def run_rtt_s(run: dict | None) -> float | None:
+    """The RTT a run's packets saw, in seconds: Prism's own RTT samples over every path of every comm of
+    every rank (PRISM_STATS), averaged; None without samples."""
+    v = ((run or {}).get("prism_stats") or {}).get("rtt_avg_us")
+    return v / 1e6 if isinstance(v, (int, float)) and v > 0 else None
+
+
+def dead_path_recovery(run: dict) -> dict | None:
+    """How the bulk of the bytes left a fault's dead path: the runner's 10 ms byte series
+    (``recovery_bytes``) if present, else the 50 ms timeline (older runs)."""
+    rb = run.get("recovery_bytes")
+    if rb:
+        return rb
+    if (run.get("fault") or {}).get("kind") in ("blackhole", "link_down"):
+        return byte_recovery(run.get("timeline") or {})
+    return None

@@ -41,10 +41,16 @@ def run_row(r: dict, base: dict | None) -> dict:
         ttr = f"{fmt_ms(rec.get('reroute_s')) if rec.get('reroute_s') is not None else 'never'} / {last}"
         if rec.get("residual_share") is not None:
             ttr += f" ({100 * rec['residual_share']:.0f} %)"
-        by = metrics.byte_recovery(r.get("timeline") or {}) if (r.get("fault") or {}).get("kind") == "blackhole" else None
+        by = metrics.dead_path_recovery(r) if (r.get("fault") or {}).get("kind") == "blackhole" else None
         if by and by.get("residual_share") is not None:
-            ttr += (f"; bytes: {fmt_ms(by.get('reroute_s')) if by.get('reroute_s') is not None else 'never'}"
-                    f" ({100 * by['residual_share']:.0f} %)")
+            rtt = metrics.run_rtt_s(base)
+            rr = by.get("reroute_s")
+            fo = by.get("first_off_s")
+            ttr += (f"; bytes: {fmt_ms(rr) if rr is not None else 'never'}"
+                    + (f" = {rr / rtt:.1f} RTTs" if (rr is not None and rtt) else "")
+                    + (f", first off {fmt_ms(fo)}" + (f" = {fo / rtt:.1f} RTTs" if rtt else "")
+                       if fo is not None and fo != rr else "")
+                    + f" ({100 * by['residual_share']:.0f} %)")
     bal = r.get("balance") or {}
     return {
         "workload": r["workload"]["name"], "policy": r["policy"]["name"],
@@ -63,6 +69,7 @@ def run_row(r: dict, base: dict | None) -> dict:
         "host_drops": str(r.get("host_qdisc_drops_total", "-")),
         "peak_backlog_kb": "-" if not r.get("backlog_peak") else f"{r['backlog_peak'].get('max_bytes', 0) / 1024:.0f}",
         "retrans": "-" if retrans is None else f"{retrans:g}",
+        "rtt_ms": fmt_ms(metrics.run_rtt_s(r)),
         "ttr_ms": ttr,
     }
 
@@ -72,7 +79,8 @@ COLUMNS = [("workload", "workload"), ("policy", "policy"), ("fault", "fault"), (
            ("vs_no_fault", "CCT/no-fault"), ("spine_imbalance", "spine imbalance"),
            ("uplink_imbalance", "worst leaf uplink imbalance"), ("moment_imbalance", "same, per 100 ms"),
            ("flow_imbalance", "per-flow imbalance"), ("qdisc_drops", "fabric drops"), ("host_drops", "NIC drops"),
-           ("peak_backlog_kb", "peak queue KB"), ("retrans", "retrans"), ("ttr_ms", "reroute / last dead pkt ms (dead path rate left); by bytes: reroute ms (rate left)")]
+           ("peak_backlog_kb", "peak queue KB"), ("retrans", "retrans"), ("rtt_ms", "mean RTT ms"),
+           ("ttr_ms", "reroute / last dead pkt ms (dead path rate left); by bytes: reroute ms = RTTs of the fault-free run (rate left)")]
 
 
 def baseline_of(r: dict, runs: list[dict]) -> dict | None:

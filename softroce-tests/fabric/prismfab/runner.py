@@ -15,7 +15,7 @@ import os
 import signal
 import subprocess
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from . import metrics
@@ -176,6 +176,7 @@ def run_one(fab: Fabric, scn: Scenario, bins: Binaries, wl: Workload, pol: Polic
             procs.append(p)
         t_data = None
         t_fault = None
+        parts_at: list[dict] = []
         drops_at_fault = 0
         deadline = t_start + scn.timeout_s + 30
         rails0 = None
@@ -199,10 +200,14 @@ def run_one(fab: Fabric, scn: Scenario, bins: Binaries, wl: Workload, pol: Polic
                                for i in range(spec.hosts) for r in range(spec.rails))
                     if sent >= START_BYTES:
                         t_data = s.t[-1]
-            if injector and t_fault is None and t_data is not None and now >= t_data + fault.at_s:
-                injector.inject()
-                t_fault = time.monotonic()
-            time.sleep(0.005 if (injector and t_fault is None) else 0.05)
+            if injector and injector.pending and t_data is not None:
+                for part in injector.inject_due(now - t_data):
+                    t_part = time.monotonic()
+                    parts_at.append({"kind": part.kind, "spine": part.spine, "leaf": part.leaf,
+                                     "at_s": round(t_part - t_data, 4)})
+                    if part is fault:
+                        t_fault = t_part
+            time.sleep(0.005 if (injector and injector.pending) else 0.05)
         t_end = time.monotonic()
     finally:
         for p in procs:
@@ -226,7 +231,7 @@ def run_one(fab: Fabric, scn: Scenario, bins: Binaries, wl: Workload, pol: Polic
     flows = read_flow_counters(fab)
     d = delta(series.netdev[0], series.netdev[-1])
     res: dict = {
-        "label": label, "workload": wl.__dict__, "policy": pol.__dict__, "fault": fault.__dict__ if fault else None,
+        "label": label, "workload": wl.__dict__, "policy": pol.__dict__, "fault": asdict(fault) if fault else None,
         "topology": spec.label(), "paths": scn.paths, "wall_s": round(t_end - t_start, 3),
         "ranks": [], "ok": True, "errors": [],
     }
@@ -292,6 +297,8 @@ def run_one(fab: Fabric, scn: Scenario, bins: Binaries, wl: Workload, pol: Polic
         res["fault_injected"] = t_fault is not None
         res["fault_at_s"] = (t_fault - t_data) if (t_fault and t_data) else None
         res["fault_nft_drops"] = drops_at_fault
+        if fault.also:
+            res["fault_parts"] = parts_at
         if t_fault is None:
             res["ok"] = False
             res["errors"].append("the fault never fired (the run ended before data flowed for at_s seconds)")
@@ -300,6 +307,12 @@ def run_one(fab: Fabric, scn: Scenario, bins: Binaries, wl: Workload, pol: Polic
             if dead and dead[0] is not None:
                 total = [metrics.spine_packets(spec, nd) for nd in series.netdev]
                 res["recovery"] = metrics.recovery(series.t, dead, total, t_fault, sample_interval_s)
+            dead_b = [injector.dead_path_bytes(nd) for nd in series.netdev]
+            if dead_b and dead_b[0] is not None:
+                # The same measure by bytes, at the sampling resolution (10 ms): when the bulk of the
+                # data left the dead path; probes and control packets weigh what they weigh.
+                total_b = [metrics.spine_bytes_total(spec, nd) for nd in series.netdev]
+                res["recovery_bytes"] = metrics.recovery(series.t, dead_b, total_b, t_fault, sample_interval_s)
     # The per-link byte series (10 ms) are kept for the charts of the report, thinned to 50 ms.
     res["timeline"] = timeline(spec, series, t_data or t_start, step_s=0.05)
     if t_fault is not None and t_data is not None:

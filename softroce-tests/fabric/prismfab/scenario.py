@@ -214,12 +214,41 @@ class Fault:
     # "complete": every run of this fault must finish with verified data (a check); "report": measured and
     # shown, not asserted (e.g. ecmp under a black hole, to show what the others avoid).
     expect: str = "complete"
+    # Further faults injected in the same run, each at its own at_s (same or later: in sequence), e.g.
+    # loss on one spine and a black hole on another. This fault stays the primary one: the recovery
+    # figures are about its dead path and its injection time.
+    also: list["Fault"] = field(default_factory=list)
+    # Overrides checks.cct_ratio_max for this fault (None: the scenario's).
+    cct_ratio_max: float | None = None
+
+    PART_FIELDS = {"kind", "spine", "leaf", "at_s", "loss_pct", "bw_mbit"}
+
+    def parts(self) -> list["Fault"]:
+        """This fault and the ones injected with it, in the order they fire."""
+        return sorted([self] + list(self.also), key=lambda f: f.at_s)
+
+    @classmethod
+    def part_from_json(cls, d: dict, where: str, parent: "Fault") -> "Fault":
+        """One entry of a fault's `also`: what breaks and when, in the parent's run."""
+        _only(d, where, cls.PART_FIELDS)
+        kind = d.get("kind")
+        if kind not in FAULT_KINDS:
+            raise ScenarioError(f"{where}.kind={kind!r}: one of {', '.join(FAULT_KINDS)}")
+        return cls(
+            name=f"{parent.name}.{kind}", kind=kind, workload=parent.workload, policies=list(parent.policies),
+            spine=_num(d, "spine", where, 0, MAX_SPINES - 1, 0),
+            leaf=_num(d, "leaf", where, 0, MAX_RAILS - 1, 0),
+            at_s=float(_num(d, "at_s", where, 0.0, 600.0, parent.at_s, integer=False)),
+            loss_pct=float(_num(d, "loss_pct", where, 0.0, 100.0, 1.0, integer=False)),
+            bw_mbit=float(_num(d, "bw_mbit", where, 0.1, 1000.0, 25.0, integer=False)),
+            expect=parent.expect,
+        )
 
     @classmethod
     def from_json(cls, d: dict, where: str) -> "Fault":
         """Reads and checks one entry of `faults`."""
         _only(d, where, {"name", "kind", "workload", "policies", "spine", "leaf", "at_s", "loss_pct", "bw_mbit",
-                         "expect"})
+                         "expect", "also", "cct_ratio_max"})
         expect = d.get("expect", "complete")
         if expect not in ("complete", "report"):
             raise ScenarioError(f"{where}.expect={expect!r}: complete or report")
@@ -235,7 +264,7 @@ class Fault:
         wl = d.get("workload")
         if not isinstance(wl, str):
             raise ScenarioError(f"{where}.workload: the name of a workload")
-        return cls(
+        f = cls(
             name=name, kind=kind, workload=wl, policies=pols,
             spine=_num(d, "spine", where, 0, MAX_SPINES - 1, 0),
             leaf=_num(d, "leaf", where, 0, MAX_RAILS - 1, 0),
@@ -244,6 +273,25 @@ class Fault:
             bw_mbit=float(_num(d, "bw_mbit", where, 0.1, 1000.0, 25.0, integer=False)),
             expect=expect,
         )
+        if "cct_ratio_max" in d:
+            f.cct_ratio_max = float(_num(d, "cct_ratio_max", where, 1.0, 100.0, integer=False))
+        also = d.get("also", [])
+        if not isinstance(also, list):
+            raise ScenarioError(f"{where}.also: a list of faults (kind, spine, leaf, at_s, loss_pct, bw_mbit)")
+        f.also = [cls.part_from_json(x, f"{where}.also[{i}]", f) for i, x in enumerate(also)]
+        # Two parts on the same port would share (and fight over) one nft chain or one shaper: loss and
+        # slow_spine act on every port of their spine, a black hole or a cut on one leaf-spine link.
+        parts = [f] + f.also
+        for i, p in enumerate(parts):
+            for j in range(i):
+                q = parts[j]
+                if p.spine == q.spine and (p.kind in ("loss", "slow_spine") or q.kind in ("loss", "slow_spine")
+                                           or p.leaf == q.leaf):
+                    name = lambda k: "the fault" if k == 0 else f"also[{k - 1}]"  # noqa: E731
+                    raise ScenarioError(f"{where}: {name(i)} ({p.kind}) and {name(j)} ({q.kind}) both break spine "
+                                        f"{p.spine}{'' if p.kind in ('loss', 'slow_spine') or q.kind in ('loss', 'slow_spine') else f' leaf {p.leaf}'}: "
+                                        "put them on different spines (or links)")
+        return f
 
 
 @dataclass
@@ -263,12 +311,15 @@ class Checks:
     # Faults whose runs must complete with correct data and CCT below ratio x the fault-free run.
     cct_faults: list[str] = field(default_factory=list)
     cct_ratio_max: float = 2.0
+    # Under those faults (with a dead link), the bulk of the bytes must leave the dead path within this
+    # many round trips of the fault (None: reported, not asserted).
+    recovery_rtts_max: float | None = None
 
     @classmethod
     def from_json(cls, d: dict, where: str = "checks") -> "Checks":
         """Reads and checks the `checks` object."""
         _only(d, where, {"balanced_policies", "pinned_policy", "pinned_workload", "balance_workload",
-                         "balance_tolerance", "cct_faults", "cct_ratio_max"})
+                         "balance_tolerance", "cct_faults", "cct_ratio_max", "recovery_rtts_max"})
         c = cls()
         for k in ("balanced_policies", "cct_faults"):
             if k in d:
@@ -283,6 +334,8 @@ class Checks:
                 setattr(c, k, d[k])
         c.balance_tolerance = float(_num(d, "balance_tolerance", where, 0.0, 10.0, c.balance_tolerance, integer=False))
         c.cct_ratio_max = float(_num(d, "cct_ratio_max", where, 1.0, 100.0, c.cct_ratio_max, integer=False))
+        if d.get("recovery_rtts_max") is not None:
+            c.recovery_rtts_max = float(_num(d, "recovery_rtts_max", where, 0.1, 10000.0, integer=False))
         return c
 
 
@@ -355,10 +408,12 @@ class Scenario:
             for p in f.policies:
                 if p not in pol:
                     raise ScenarioError(f"faults[{i}].policies: {p!r} is not a policy ({', '.join(sorted(pol))})")
-            if f.spine >= self.topology.spines:
-                raise ScenarioError(f"faults[{i}].spine={f.spine}: the topology has {self.topology.spines} spines")
-            if f.leaf >= self.topology.rails:
-                raise ScenarioError(f"faults[{i}].leaf={f.leaf}: the topology has {self.topology.rails} leaves")
+            for j, part in enumerate([f] + f.also):
+                w = f"faults[{i}]" + (f".also[{j - 1}]" if j else "")
+                if part.spine >= self.topology.spines:
+                    raise ScenarioError(f"{w}.spine={part.spine}: the topology has {self.topology.spines} spines")
+                if part.leaf >= self.topology.rails:
+                    raise ScenarioError(f"{w}.leaf={part.leaf}: the topology has {self.topology.rails} leaves")
         c = self.checks
         for p in c.balanced_policies + [c.pinned_policy]:
             if p and pol and p not in pol:

@@ -1,5 +1,6 @@
 """The acceptance checks, judged on hand-made runs."""
 
+import copy
 import unittest
 from pathlib import Path
 
@@ -9,7 +10,8 @@ from prismfab.scenario import Scenario
 SCENARIOS = Path(__file__).resolve().parent.parent / "scenarios"
 
 
-def run(wl, pol, fault=None, ok=True, cct=1.0, spine=(50, 50), uplinks=None, expect="complete", moment=0.05):
+def run(wl, pol, fault=None, ok=True, cct=1.0, spine=(50, 50), uplinks=None, expect="complete", moment=0.05,
+        reroute_b=0.09, rtt_us=30_000):
     uplinks = uplinks or {"0": [25, 25], "1": [25, 25]}
     from prismfab.metrics import imbalance
 
@@ -23,18 +25,26 @@ def run(wl, pol, fault=None, ok=True, cct=1.0, spine=(50, 50), uplinks=None, exp
                     "windowed_uplink": {"max": moment}},
         "flows": {"mean_imbalance": 0.0},
         "recovery": {"recovered": True, "ttr_s": 0.2, "reroute_s": 0.1} if fault else None,
+        "recovery_bytes": {"reroute_s": reroute_b, "resolution_s": 0.01, "residual_share": 0.0} if fault else None,
+        "prism_stats": {"rtt_avg_us": rtt_us, "rtt_samples": 1000} if rtt_us else {},
     }
 
 
 def good_runs():
     runs = []
-    for p in ("ecmp", "spray", "pro", "reps"):
+    for p in ("ecmp", "spray", "pro", "reps", "dr"):
         runs.append(run("alltoall", p))
         runs.append(run("few_flows", p, moment=1.0 if p == "ecmp" else 0.05))
         runs.append(run("alltoall_f", p, cct=2.0))
-    for p in ("reps", "pro", "spray"):
+    for p in ("reps", "pro", "spray", "dr"):
         runs.append(run("alltoall_f", p, fault="blackhole", cct=3.0))
     return runs
+
+
+def with_k(scn, k):
+    scn = copy.deepcopy(scn)
+    scn.checks.recovery_rtts_max = k
+    return scn
 
 
 def by_name(cs):
@@ -67,6 +77,61 @@ class Acceptance(unittest.TestCase):
         c = by_name(checks.evaluate(self.scn, runs))["fault.blackhole.pro"]
         self.assertFalse(c.ok)
         self.assertIn("x2.0", c.detail)
+
+    def test_every_black_hole_policy_of_the_ci_scenario_is_checked_dr_included(self):
+        names = by_name(checks.evaluate(self.scn, good_runs()))
+        for p in ("reps", "pro", "spray", "dr"):
+            self.assertIn(f"fault.blackhole.{p}", names)
+
+    def test_ci_asserts_recovery_in_rtts_for_every_black_hole_policy(self):
+        cs = by_name(checks.evaluate(self.scn, good_runs()))
+        self.assertEqual(self.scn.checks.recovery_rtts_max, 30)
+        for p in ("reps", "pro", "spray", "dr"):
+            self.assertTrue(cs[f"recovery.blackhole.{p}"].ok, cs[f"recovery.blackhole.{p}"].detail)
+
+    def test_recovery_is_reported_in_rtts_but_not_asserted_without_a_limit(self):
+        cs = by_name(checks.evaluate(with_k(self.scn, None), good_runs()))
+        self.assertFalse(any(n.startswith("recovery.") for n in cs))
+        # 90 ms over the fault-free run's 30 ms mean RTT.
+        self.assertIn("90 ms = 3.0 RTTs of 30.0 ms", cs["fault.blackhole.dr"].detail)
+
+    def test_recovery_within_k_rtts_passes_and_beyond_fails(self):
+        runs = [r for r in good_runs() if r["label"] != "alltoall_f/spray/blackhole"]
+        runs.append(run("alltoall_f", "spray", fault="blackhole", cct=3.0, reroute_b=0.151))
+        cs = by_name(checks.evaluate(with_k(self.scn, 5), runs))
+        self.assertTrue(cs["recovery.blackhole.reps"].ok, cs["recovery.blackhole.reps"].detail)
+        c = cs["recovery.blackhole.spray"]
+        self.assertFalse(c.ok)
+        self.assertAlmostEqual(c.data["rtts"], 0.151 / 0.030)
+        self.assertIn("limit 5 RTTs", c.detail)
+
+    def test_the_rtt_is_the_fault_free_runs_not_the_fault_runs(self):
+        # The fault run's own RTT (inflated by the loss) must not stretch the limit.
+        runs = [r for r in good_runs() if r["label"] not in ("alltoall_f/pro", "alltoall_f/pro/blackhole")]
+        runs += [run("alltoall_f", "pro", cct=2.0, rtt_us=10_000),
+                 run("alltoall_f", "pro", fault="blackhole", cct=3.0, reroute_b=0.05, rtt_us=100_000)]
+        c = by_name(checks.evaluate(with_k(self.scn, 3), runs))["recovery.blackhole.pro"]
+        self.assertFalse(c.ok)
+        self.assertAlmostEqual(c.data["rtts"], 5.0)
+
+    def test_bulk_that_never_left_or_no_rtt_fails_the_recovery_check(self):
+        runs = [r for r in good_runs() if r["label"] not in ("alltoall_f/reps/blackhole", "alltoall_f/dr")]
+        runs += [run("alltoall_f", "reps", fault="blackhole", cct=3.0, reroute_b=None),
+                 run("alltoall_f", "dr", cct=2.0, rtt_us=0)]
+        cs = by_name(checks.evaluate(with_k(self.scn, 3), runs))
+        self.assertFalse(cs["recovery.blackhole.reps"].ok)
+        self.assertIn("never stayed off", cs["recovery.blackhole.reps"].detail)
+        self.assertFalse(cs["recovery.blackhole.dr"].ok)
+        self.assertIn("no RTT", cs["recovery.blackhole.dr"].detail)
+
+    def test_a_faults_own_cct_ratio_limit_wins_over_the_scenarios(self):
+        scn = copy.deepcopy(self.scn)
+        scn.faults[0].cct_ratio_max = 1.3
+        cs = by_name(checks.evaluate(scn, good_runs()))  # every fault run at 1.5x its baseline
+        self.assertFalse(cs["fault.blackhole.pro"].ok)
+        self.assertIn("limit x1.3", cs["fault.blackhole.pro"].detail)
+        scn.faults[0].cct_ratio_max = None
+        self.assertTrue(by_name(checks.evaluate(scn, good_runs()))["fault.blackhole.pro"].ok)
 
     def test_report_only_fault_runs_are_not_asserted(self):
         runs = good_runs() + [run("alltoall_f", "ecmp", fault="bh_ecmp", ok=False, expect="report")]

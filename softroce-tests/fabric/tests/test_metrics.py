@@ -184,6 +184,23 @@ class Recovery(unittest.TestCase):
         self.assertAlmostEqual(r["reroute_s"], 0.3, delta=0.011)
         self.assertGreater(r["last_dead_packet_s"], 0.9)
 
+    def test_a_late_burst_into_the_dead_path_delays_the_reroute_but_not_the_first_departure(self):
+        # The bulk leaves 0.2 s after the fault at 0.5 s; at 1.5 s a 50 ms burst at the full rate comes back.
+        t, dead, total = series(lambda x: 10 if x <= 0.7 or 1.5 < x <= 1.55 else 0, lambda x: 10)
+        r = metrics.recovery(t, dead, total, 0.5, 0.01)
+        self.assertAlmostEqual(r["reroute_s"], 1.05, delta=0.011)  # stays off only after the burst
+        self.assertAlmostEqual(r["first_off_s"], 0.2, delta=0.011)
+        # Without the burst both say 0.2 s.
+        t, dead, total = series(lambda x: 10 if x <= 0.7 else 0, lambda x: 10)
+        r = metrics.recovery(t, dead, total, 0.5, 0.01)
+        self.assertAlmostEqual(r["first_off_s"], r["reroute_s"], delta=1e-9)
+
+    def test_a_dip_shorter_than_the_hold_time_is_not_a_departure(self):
+        # The dead path falls quiet for 0.1 s only (0.6 to 0.7 s), then is used again until 1.0 s.
+        t, dead, total = series(lambda x: 0 if 0.6 < x <= 0.7 or x > 1.0 else 10, lambda x: 10)
+        r = metrics.recovery(t, dead, total, 0.5, 0.01)
+        self.assertAlmostEqual(r["first_off_s"], 0.5, delta=0.011)
+
     def test_idle_gap_between_iterations_is_not_judged(self):
         # Traffic pauses from 1.0 to 1.3 s; the dead path was left at 0.7 s.
         busy = lambda x: not (1.0 < x <= 1.3)  # noqa: E731
@@ -244,6 +261,23 @@ class Stats(unittest.TestCase):
     def test_an_unknown_shape_gives_no_numbers_rather_than_a_crash(self):
         self.assertEqual(metrics.summarize_stats([{"something": [1, 2]}, [], "x"]), {})
 
+    def test_the_rtt_is_the_mean_of_every_sample_of_every_rank(self):
+        # Two ranks: 100 samples averaging 10 ms and 300 averaging 30 ms -> 25 ms, not (10 + 30) / 2;
+        # a group without samples (a receive comm) does not pull the mean to 0.
+        def doc(n, avg, lo, hi):
+            return {"closed_summary": [
+                {"conn": {}, "paths": {"rtt_samples": n, "rtt_avg_us": avg, "rtt_min_us": lo, "rtt_max_us": hi}},
+                {"conn": {}, "paths": {"rtt_samples": 0, "rtt_avg_us": 0, "rtt_min_us": 0, "rtt_max_us": 0}}]}
+        s = metrics.summarize_stats([doc(100, 10_000, 2_000, 40_000), doc(300, 30_000, 5_000, 70_000)])
+        self.assertEqual((s["rtt_samples"], s["rtt_avg_us"]), (400, 25_000))
+        self.assertEqual((s["rtt_min_us"], s["rtt_max_us"]), (2_000, 70_000))
+        self.assertAlmostEqual(metrics.run_rtt_s({"prism_stats": s}), 0.025)
+
+    def test_a_run_without_rtt_samples_has_no_rtt(self):
+        self.assertNotIn("rtt_avg_us", metrics.summarize_stats([{"closed_summary": [{"conn": {}, "paths": {}}]}]))
+        self.assertIsNone(metrics.run_rtt_s({"prism_stats": {}}))
+        self.assertIsNone(metrics.run_rtt_s(None))
+
 
 if __name__ == "__main__":
     unittest.main()
@@ -263,3 +297,28 @@ class ByteRecovery(unittest.TestCase):
 
     def test_no_fault_link_no_byte_recovery(self):
         self.assertIsNone(metrics.byte_recovery({"t": [0.05], "links": {"a": [1]}}))
+
+
+class DeadPathRecovery(unittest.TestCase):
+    def test_the_10ms_byte_series_is_preferred_over_the_timeline(self):
+        r = {"fault": {"kind": "blackhole"}, "recovery_bytes": {"reroute_s": 0.07},
+             "timeline": {"t": [0.05], "links": {"a": [1]}, "fault_link": "a", "fault_t": 0.0, "step_s": 0.05}}
+        self.assertEqual(metrics.dead_path_recovery(r)["reroute_s"], 0.07)
+
+    def test_older_runs_fall_back_to_the_timeline_and_faults_without_a_dead_link_have_none(self):
+        t = [round(0.05 * (k + 1), 2) for k in range(60)]
+        tl = {"t": t, "step_s": 0.05, "fault_t": 1.0, "fault_link": "a",
+              "links": {"a": [100_000 if x <= 1.0 else 0 for x in t], "b": [100_000 if x <= 1.0 else 200_000 for x in t]}}
+        self.assertAlmostEqual(metrics.dead_path_recovery({"fault": {"kind": "blackhole"}, "timeline": tl})["reroute_s"],
+                               0.0, places=2)
+        self.assertIsNone(metrics.dead_path_recovery({"fault": {"kind": "loss"}, "timeline": tl}))
+
+    def test_spine_bytes_total_counts_both_ends_of_every_link(self):
+        spec = TopologySpec(hosts=2, rails=2, spines=3)
+        nd = {}
+        for r in range(2):
+            for sp in range(3):
+                nd.setdefault(f"lf{r}", {})[f"lf{r}-sp{sp}"] = {"tx_bytes": 10, "tx_packets": 1}
+                nd.setdefault(f"sp{sp}", {})[f"sp{sp}-lf{r}"] = {"tx_bytes": 5, "tx_packets": 1}
+        self.assertEqual(metrics.spine_bytes_total(spec, nd), 6 * 15)
+        self.assertEqual(metrics.spine_packets(spec, nd), 12)

@@ -31,6 +31,57 @@ class ScenarioFiles(unittest.TestCase):
         self.assertTrue(100 <= t.spine_bw_mbit <= t.host_bw_mbit <= 200)
 
 
+class CombinedFaults(unittest.TestCase):
+    def test_spines3_has_three_spines_and_loss_then_a_black_hole_on_another_spine(self):
+        scn = Scenario.load(SCENARIOS / "spines3.json")
+        self.assertEqual(scn.topology.spines, 3)
+        f = scn.faults[0]
+        self.assertEqual([(p.kind, p.spine) for p in f.parts()], [("loss", 1), ("blackhole", 2)])
+        self.assertLess(f.also[0].at_s, f.at_s)
+        self.assertEqual(f.policies, ["reps", "pro", "spray", "dr"])
+
+    def fault(self, also, **kw):
+        d = ci()
+        d["faults"][0].update({"also": also, **kw})
+        return d
+
+    def test_parts_fire_in_time_order_and_default_to_the_faults_time(self):
+        scn = Scenario.from_json(self.fault([{"kind": "loss", "spine": 1, "loss_pct": 2.5, "at_s": 0.1}], spine=0,
+                                            at_s=0.3))
+        parts = scn.faults[0].parts()
+        self.assertEqual([(p.kind, p.at_s, p.loss_pct) for p in parts], [("loss", 0.1, 2.5), ("blackhole", 0.3, 1.0)])
+        d = self.fault([{"kind": "loss", "spine": 1}])
+        self.assertEqual(Scenario.from_json(d).faults[0].also[0].at_s, d["faults"][0]["at_s"])
+
+    def test_a_part_on_the_black_holed_spine_is_rejected(self):
+        with self.assertRaises(ScenarioError) as cm:
+            Scenario.from_json(self.fault([{"kind": "loss", "spine": 0}], spine=0))
+        self.assertIn("both break spine 0", str(cm.exception))
+
+    def test_two_black_holes_on_different_links_of_one_spine_are_allowed(self):
+        scn = Scenario.from_json(self.fault([{"kind": "blackhole", "spine": 0, "leaf": 1}], spine=0, leaf=0))
+        self.assertEqual(len(scn.faults[0].parts()), 2)
+
+    def test_a_part_on_a_missing_spine_or_with_an_unknown_field_is_named(self):
+        with self.assertRaises(ScenarioError) as cm:
+            Scenario.from_json(self.fault([{"kind": "loss", "spine": 2}]))
+        self.assertIn("faults[0].also[0].spine=2", str(cm.exception))
+        with self.assertRaises(ScenarioError) as cm:
+            Scenario.from_json(self.fault([{"kind": "loss", "spine": 1, "name": "x"}]))
+        self.assertIn("faults[0].also[0]: unknown field(s) name", str(cm.exception))
+
+    def test_recovery_limit_and_a_faults_own_ratio_are_read(self):
+        d = self.fault([], cct_ratio_max=1.3)
+        d["checks"]["recovery_rtts_max"] = 6
+        scn = Scenario.from_json(d)
+        self.assertEqual((scn.faults[0].cct_ratio_max, scn.checks.recovery_rtts_max), (1.3, 6.0))
+        self.assertIsNone(Scenario.from_json(ci()).faults[0].cct_ratio_max)
+        d["checks"]["recovery_rtts_max"] = -1
+        with self.assertRaises(ScenarioError) as cm:
+            Scenario.from_json(d)
+        self.assertIn("checks.recovery_rtts_max", str(cm.exception))
+
+
 class ScenarioErrors(unittest.TestCase):
     def assert_error_names(self, d: dict, needle: str):
         with self.assertRaises(ScenarioError) as cm:

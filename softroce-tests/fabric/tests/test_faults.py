@@ -1,0 +1,113 @@
+"""Fault injection on a stand-in fabric that records the commands it is given: which ports each fault
+part breaks, when the parts of a combined fault fire, and that clearing undoes all of them."""
+
+import unittest
+
+from prismfab.faults import Injector
+from prismfab.scenario import Fault, TopologySpec
+
+
+class Node:
+    def __init__(self, name):
+        self.name = name
+        self.cmds = []
+
+    def cmd(self, c):
+        self.cmds.append(c)
+        return ""
+
+
+class FakeFabric:
+    def __init__(self, spines=3, rails=2):
+        self.spec = TopologySpec(hosts=4, rails=rails, spines=spines)
+        self.leaves = [Node(f"lf{r}") for r in range(rails)]
+        self.spines = [Node(f"sp{s}") for s in range(spines)]
+        self.log = []  # (node, command) in order
+        self.bw = []
+        self.routes_calls = 0
+
+    def leaf(self, r):
+        return self.leaves[r]
+
+    def spine(self, s):
+        return self.spines[s]
+
+    def routers(self):
+        return self.leaves + self.spines
+
+    def sh(self, node, c):
+        self.log.append((node.name, c))
+
+    def set_link_bw(self, node, ifname, bw):
+        self.bw.append((node.name, ifname, bw))
+
+    def routes(self):
+        self.routes_calls += 1
+
+
+def loss_then_blackhole():
+    f = Fault("lb", "blackhole", "w", ["spray"], spine=2, leaf=0, at_s=0.4)
+    f.also = [Fault("lb.loss", "loss", "w", ["spray"], spine=1, loss_pct=1.0, at_s=0.1)]
+    return f
+
+
+class CombinedFault(unittest.TestCase):
+    def test_parts_fire_when_their_time_has_come_and_only_once(self):
+        fab = FakeFabric()
+        inj = Injector(fab, loss_then_blackhole())
+        self.assertEqual(inj.inject_due(0.05), [])
+        self.assertEqual(fab.log, [])
+        fired = inj.inject_due(0.1)
+        self.assertEqual([p.kind for p in fired], ["loss"])
+        # 1 % = 100 of 10000 on every port of spine 1 (one per rail), nothing on spine 2 yet.
+        self.assertEqual([n for n, _ in fab.log], ["sp1", "sp1"])
+        self.assertTrue(all("numgen random mod 10000 < 100" in c for _, c in fab.log))
+        self.assertEqual(inj.inject_due(0.3), [])
+        fired = inj.inject_due(0.45)
+        self.assertEqual([p.kind for p in fired], ["blackhole"])
+        self.assertIs(fired[0], inj.fault)
+        bh = fab.log[2:]
+        self.assertEqual([n for n, _ in bh], ["lf0", "sp2"])
+        self.assertIn('device "lf0-sp2"', bh[0][1])
+        self.assertIn('device "sp2-lf0"', bh[1][1])
+        self.assertEqual(inj.inject_due(10.0), [])
+        self.assertEqual(len(fab.log), 4)
+
+    def test_inject_applies_every_pending_part_at_once(self):
+        fab = FakeFabric()
+        inj = Injector(fab, loss_then_blackhole())
+        inj.inject()
+        self.assertEqual(sorted({n for n, _ in fab.log}), ["lf0", "sp1", "sp2"])
+        self.assertEqual(inj.pending, [])
+
+    def test_clear_undoes_every_part(self):
+        fab = FakeFabric()
+        f = Fault("cut_slow", "link_down", "w", ["spray"], spine=0, leaf=1, at_s=0.2)
+        f.also = [Fault("cut_slow.slow", "slow_spine", "w", ["spray"], spine=2, bw_mbit=10.0, at_s=0.2)]
+        inj = Injector(fab, f)
+        inj.inject()
+        fab.log.clear()
+        fab.bw.clear()
+        inj.clear()
+        self.assertIn(("lf1", "ip link set lf1-sp0 up"), fab.log)
+        self.assertIn(("sp0", "ip link set sp0-lf1 up"), fab.log)
+        # Spine 2's ports back at the scenario's spine rate, both ends of each of its links.
+        self.assertEqual(sorted(fab.bw), sorted([("lf0", "lf0-sp2", fab.spec.spine_bw_mbit),
+                                                 ("lf1", "lf1-sp2", fab.spec.spine_bw_mbit),
+                                                 ("sp2", "sp2-lf0", fab.spec.spine_bw_mbit),
+                                                 ("sp2", "sp2-lf1", fab.spec.spine_bw_mbit)]))
+        self.assertEqual(fab.routes_calls, 1)
+        self.assertTrue(all(any("nft delete table netdev" in c for c in n.cmds) for n in fab.routers()))
+
+    def test_the_dead_path_is_the_primary_faults_link_counted_in_packets_and_bytes(self):
+        inj = Injector(FakeFabric(), loss_then_blackhole())
+        nd = {"lf0": {"lf0-sp2": {"tx_packets": 3, "tx_bytes": 300}, "lf0-sp1": {"tx_packets": 50, "tx_bytes": 5000}},
+              "sp2": {"sp2-lf0": {"tx_packets": 4, "tx_bytes": 400}}}
+        self.assertEqual(inj.dead_path_packets(nd, {}), 7)
+        self.assertEqual(inj.dead_path_bytes(nd), 700)
+        loss = Injector(FakeFabric(), Fault("l", "loss", "w", ["spray"], spine=1))
+        self.assertIsNone(loss.dead_path_bytes(nd))
+
+
+if __name__ == "__main__":
+    unittest.main()
