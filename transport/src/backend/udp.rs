@@ -40,6 +40,8 @@ pub struct UdpRail {
     addr: Ipv4Addr,
     /// Sockets 1.. (send-only), readable when any of them has a datagram queued.
     strays: Epoll,
+    /// Datagrams the local stack refused (`sendmmsg` errors other than a full buffer).
+    send_errors: std::sync::atomic::AtomicU64,
 }
 
 /// A classic BPF program that accepts nothing: attached to the send-only sockets, the kernel drops
@@ -98,7 +100,12 @@ impl UdpRail {
             ports.push(u.local_addr()?.port());
             socks.push(u);
         }
-        Ok(Self { socks, ports, addr, strays })
+        Ok(Self { socks, ports, addr, strays, send_errors: std::sync::atomic::AtomicU64::new(0) })
+    }
+
+    /// Datagrams the local stack refused so far (each lost, and recovered like any loss).
+    pub fn send_errors(&self) -> u64 {
+        self.send_errors.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// The port peers send to.
@@ -138,10 +145,30 @@ impl UdpRail {
             let iovs: Vec<[IoSlice<'_>; 1]> = order[i..j].iter().map(|&k| [IoSlice::new(pkts[k].1)]).collect();
             let addrs = vec![Some(addr); j - i];
             let mut hdrs = MultiHeaders::<SockaddrIn>::preallocate(j - i, None);
-            match sendmmsg(sock.as_raw_fd(), &mut hdrs, &iovs, &addrs, [], MsgFlags::MSG_DONTWAIT) {
-                Ok(res) => sent += res.count(),
-                Err(nix::errno::Errno::EAGAIN) => {}
-                Err(e) => return Err(e.into()),
+            // sendmmsg stops at the first datagram that fails and reports the error on the next call:
+            // one refused datagram (a local firewall rule answers EPERM, a route error) must not take
+            // the rest of the run with it. Only a full buffer (EAGAIN) ends the run.
+            let mut k = 0;
+            while k < j - i {
+                match sendmmsg(sock.as_raw_fd(), &mut hdrs, &iovs[k..], &addrs[k..], [], MsgFlags::MSG_DONTWAIT) {
+                    Ok(res) => {
+                        let n = res.count();
+                        sent += n;
+                        k += n;
+                        if n == 0 {
+                            break;
+                        }
+                    }
+                    Err(nix::errno::Errno::EAGAIN) => break,
+                    Err(err) => {
+                        if self.send_errors.fetch_add(1, std::sync::atomic::Ordering::Relaxed) == 0 {
+                            tracing::warn!(
+                                "a datagram was refused by the local stack ({err}); it is lost and resent (counted in send_errors)"
+                            );
+                        }
+                        k += 1;
+                    }
+                }
             }
             i = j;
         }

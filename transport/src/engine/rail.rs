@@ -98,11 +98,12 @@ impl RailBackend {
         match self {
             RailBackend::Udp(u) => serde_json::json!({
                 "source_ports": u.ports(), "verbs_device": null, "wrong_port_kernel_dropped": u.send_only_drops(),
+                "send_errors": u.send_errors(),
             }),
             RailBackend::Verbs(d) => serde_json::json!({
                 "source_ports": null,
                 "verbs_device": { "name": d.name, "gid_index": d.gid_index, "mtu": d.mtu_bytes, "registrations": d.registrations() },
-                "wrong_port_kernel_dropped": null,
+                "wrong_port_kernel_dropped": null, "send_errors": null,
             }),
         }
     }

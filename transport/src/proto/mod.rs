@@ -46,6 +46,7 @@ mod recovery;
 mod rtt;
 mod sender;
 mod stats;
+mod transmit;
 mod window;
 
 pub use config::ProtoConfig;

@@ -1,0 +1,170 @@
+//! Putting DATA on the wire: the tail-loss probe, retransmissions, then new data within the window,
+//! each on a path the policy picks and the path health allows.
+
+use prism_lb::PathCtx;
+
+use super::connection::Connection;
+use super::path::TxEntry;
+use super::paths::Fitness;
+use super::recovery::LossCause;
+use super::sender::PktState;
+use super::{Micros, MsgId, PayloadSource, Transmit, OOO_WINDOW_PKTS};
+use crate::wire::{DataPacket, DataRepr, DATA_HEADER_LEN};
+
+impl Connection {
+    /// The next DATA packet (the tail-loss probe, a retransmission, then new data within the window).
+    pub(super) fn poll_data(&mut self, now: Micros, src: &mut dyn PayloadSource, out: &mut [u8]) -> Option<Transmit> {
+        let probe = std::mem::take(&mut self.tx.tlp_due);
+        if probe && !self.tx.has_retransmission() {
+            if self.tx.tx_queue.is_empty() || self.tx.next_psn() - self.tx.snd_una >= OOO_WINDOW_PKTS {
+                // No new data to probe with: send the newest packet in flight again.
+                if let Some(psn) = self.tx.newest_in_flight() {
+                    self.declare_lost(psn, now, LossCause::Probe);
+                }
+            } else if let Some(t) = self.poll_new_data(now, src, out) {
+                self.tx.tlp_tx_seq = Some(self.tx.next_tx_seq - 1);
+                return Some(t);
+            }
+        }
+        if self.tx.in_flight >= self.cfg.window_pkts {
+            return None;
+        }
+        if self.tx.has_retransmission() {
+            let psn = *self.tx.retx_queue.front().expect("has_retransmission");
+            let len = self.tx.ring[(psn - self.tx.snd_una) as usize].len as usize;
+            if out.len() < DATA_HEADER_LEN + len {
+                tracing::warn!(buffer = out.len(), need = DATA_HEADER_LEN + len, "transmit buffer too small for a retransmission");
+                return None;
+            }
+            self.tx.retx_queue.pop_front();
+            let probed = self.tx.ring[(psn - self.tx.snd_una) as usize].probed;
+            let t = self.transmit_data(psn, true, now, src, out);
+            if probed {
+                self.tx.tlp_tx_seq = Some(self.tx.next_tx_seq - 1);
+            }
+            return Some(t);
+        }
+        if self.tx.next_psn() - self.tx.snd_una >= OOO_WINDOW_PKTS {
+            return None;
+        }
+        self.poll_new_data(now, src, out)
+    }
+
+    /// The next packet of new data, if any.
+    fn poll_new_data(&mut self, now: Micros, src: &mut dyn PayloadSource, out: &mut [u8]) -> Option<Transmit> {
+        // Whole lines only: every packet but a buffer's last one ends on a line boundary of the message.
+        let max_payload = super::config::line_floor(self.cfg.max_payload.min(out.len().checked_sub(DATA_HEADER_LEN)?)) as u64;
+        let (rec, done) = self.tx.next_new_packet(max_payload, now)?;
+        let psn = self.tx.push_new(rec, done, now);
+        Some(self.transmit_data(psn, false, now, src, out))
+    }
+
+    /// Put PSN `psn` on a path and into `out`.
+    fn transmit_data(&mut self, psn: u64, retx: bool, now: Micros, src: &mut dyn PayloadSource, out: &mut [u8]) -> Transmit {
+        let idx = (psn - self.tx.snd_una) as usize;
+        let old = self.tx.ring[idx];
+        let entropy = if retx {
+            self.pick_path(old.msg, old.offset, true, Some(old.entropy), now)
+        } else {
+            self.pick_path(old.msg, old.offset, false, None, now)
+        };
+        let tx_seq = self.tx.next_tx_seq;
+        self.tx.next_tx_seq += 1;
+        let rec = &mut self.tx.ring[idx];
+        rec.state = PktState::InFlight;
+        rec.probed = false;
+        rec.entropy = entropy;
+        rec.sent_at = now;
+        rec.tx_seq = tx_seq;
+        rec.resent |= retx;
+        let repr = DataRepr {
+            token: self.peer_token,
+            cts_ack: self.tx.cts_next,
+            psn,
+            cts_seq: old.cts_seq,
+            sub: old.sub,
+            offset: old.offset,
+            len: old.len,
+            total_len: old.total,
+            entropy,
+            ts_us: now as u32,
+            trunc: old.trunc,
+            ce: false,
+            retx,
+        };
+        let total = repr.buffer_len();
+        let mut pkt = DataPacket::new_unchecked(&mut out[..total]);
+        repr.emit(&mut pkt);
+        if old.len > 0 {
+            src.read(old.msg, old.offset, &mut pkt.payload_mut()[..old.len as usize]);
+        }
+        // A path nothing was measured on yet times out after the connection's RTO, not the configured
+        // initial one: with queues deeper than that initial value, every first packet on a fresh
+        // entropy (a spraying or exploring policy uses many) would time out spuriously, be resent,
+        // and blame a path that works.
+        let ctl_rtt = &self.ctl_rtt;
+        let path = self.paths.get_mut(entropy);
+        path.rtt.inherit_initial(ctl_rtt);
+        path.queue.push_back(TxEntry { tx_seq, psn, sent_at: now });
+        path.in_flight += 1;
+        self.tx.tx_order.push_back((tx_seq, psn));
+        self.tx.in_flight += 1;
+        self.tx.ack_pending = false;
+        self.tx.tlp_base = now;
+        self.stats.data_pkts_sent += 1;
+        self.stats.data_bytes_sent += u64::from(old.len);
+        let ps = &mut self.stats.paths[entropy as usize];
+        ps.pkts_sent += 1;
+        ps.bytes_sent += u64::from(old.len);
+        ps.in_flight += 1;
+        if retx {
+            self.stats.retransmissions += 1;
+            ps.retransmissions += 1;
+        }
+        Transmit { entropy, len: total }
+    }
+
+    /// The policy's entropy for one packet, corrected when it names a path that is not alive (or not
+    /// proven during a failure episode), or (for a retransmission) the path the lost copy took.
+    fn pick_path(&mut self, msg: MsgId, offset: u64, retransmit: bool, avoid: Option<u16>, now: Micros) -> u16 {
+        self.flush_feedback();
+        let n = self.cfg.n_paths;
+        let ctx = PathCtx { msg: msg.0, offset, n_paths: n, retransmit, avoid, now_us: now };
+        let first = self.policy.pick(&ctx) % n;
+        if n == 1 {
+            return first;
+        }
+        let episode = self.paths.episode();
+        let checked = self.paths.any_bad() || episode.is_some();
+        if Some(first) != avoid && (!checked || self.paths.fitness(first, episode) == Fitness::Good) {
+            return first;
+        }
+        let second = self.policy.pick(&PathCtx { avoid: Some(first), ..ctx }) % n;
+        if Some(second) != avoid && self.paths.fitness(second, episode) == Fitness::Good {
+            return second;
+        }
+        // The fittest path, nearest after the policy's first choice; never the lost copy's.
+        let mut best: Option<(Fitness, u16)> = None;
+        for e in (1..n).map(|k| (first + k) % n).chain([first]) {
+            if Some(e) == avoid {
+                continue;
+            }
+            let f = self.paths.fitness(e, episode);
+            if f == Fitness::Good {
+                return e;
+            }
+            if !matches!(best, Some((bf, _)) if bf <= f) {
+                best = Some((f, e));
+            }
+        }
+        best.map_or(first, |(_, e)| e)
+    }
+
+    /// Whether new packets would go on path `entropy` now: it is alive and, during a failure episode
+    /// (some paths died), it was proven to work since the episode began. A driver whose other
+    /// connections share this one's paths (same source and destination address and port) can steer
+    /// their control packets with it.
+    pub fn path_preferred(&self, entropy: u16) -> bool {
+        entropy < self.cfg.n_paths && self.paths.fitness(entropy, self.paths.episode()) == Fitness::Good
+    }
+}
