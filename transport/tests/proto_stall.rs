@@ -138,7 +138,7 @@ impl Sim {
                 if to == B {
                     self.conns[B].handle_datagram(&bytes, self.now, &mut self.sink);
                 } else {
-                    self.conns[A].handle_datagram(&bytes, self.now, &mut NoPlace);
+                    self.conns[A].handle_datagram(&bytes, self.now, &mut MustNotPlace);
                 }
             }
             for c in &mut self.conns {
@@ -173,8 +173,8 @@ impl Sim {
     }
 }
 
-struct NoPlace;
-impl Placer for NoPlace {
+struct MustNotPlace;
+impl Placer for MustNotPlace {
     fn place(&mut self, _: MsgId, _: usize, _: u64, _: &[u8]) {
         panic!("the sending end has no receive posted");
     }

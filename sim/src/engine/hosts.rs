@@ -6,7 +6,7 @@ use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex};
 
 use prism_lb::{CcKind, FlowInfo, LbConfig, LbRuntime, MessageSample};
-use prism_transport::proto::{Completion, Connection, MsgId, PayloadSource, Placer, ProtoConfig, RecvSpec};
+use prism_transport::proto::{Completion, Connection, MsgId, NoPlacement, PayloadSource, ProtoConfig, RecvSpec};
 use prism_transport::wire::{self, DataPacket, Header, PacketType, DATA_HEADER_LEN};
 
 use super::Sim;
@@ -27,12 +27,6 @@ const SEND_AHEAD: usize = 48;
 struct NoPayload;
 impl PayloadSource for NoPayload {
     fn read(&mut self, _msg: MsgId, _offset: u64, _out: &mut [u8]) {}
-}
-
-/// Where a simulated receive's payload goes: nowhere (only its length travels through the fabric).
-struct DiscardPayload;
-impl Placer for DiscardPayload {
-    fn place(&mut self, _msg: MsgId, _sub: usize, _offset: u64, _data: &[u8]) {}
 }
 
 /// One end of a connection, on one NIC.
@@ -403,7 +397,7 @@ impl Sim {
         self.net.pool.release(pkt);
         let now_us = self.now_us();
         let e = &mut self.hosts.eps[ep as usize];
-        e.conn.handle_datagram(&self.hosts.rxbuf[..len], now_us, &mut DiscardPayload);
+        e.conn.handle_datagram(&self.hosts.rxbuf[..len], now_us, &mut NoPlacement);
         self.after_ep(ep);
         // An acknowledgement may open the window of a gated sender or the MCC window of its pair.
         if self.hosts.eps[ep as usize].sender {

@@ -30,13 +30,6 @@ enum Life {
     Dead(MsgError),
 }
 
-/// The placer of payload that is already in place: it is never asked to copy anything.
-struct Placed;
-
-impl Placer for Placed {
-    fn place(&mut self, _: MsgId, _: usize, _: u64, _: &[u8]) {}
-}
-
 /// A parsed, checked packet. A CTS may carry the verbs backend's remote keys (a few hundred bytes);
 /// the value lives on the stack for one packet, so it is not boxed.
 #[allow(clippy::large_enum_variant)]
@@ -266,7 +259,7 @@ impl Connection {
                     let pkt = DataPacket::new_unchecked(bytes);
                     self.on_data(&d, Some(pkt.payload()), now, placer);
                 }
-                None => self.on_data(&d, None, now, &mut Placed),
+                None => self.on_data(&d, None, now, &mut super::NoPlacement),
             },
             Parsed::Cts(c) => self.on_cts(&c),
             Parsed::Sack(s) => self.on_sack(&s, now),

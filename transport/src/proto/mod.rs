@@ -120,6 +120,15 @@ pub trait Placer {
     fn place(&mut self, msg: MsgId, sub: usize, offset: u64, data: &[u8]);
 }
 
+/// A placer that writes nothing: for payload the network already put in place (an RDMA WRITE) or a
+/// driver that does not model bytes (the simulator).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct NoPlacement;
+
+impl Placer for NoPlacement {
+    fn place(&mut self, _: MsgId, _: usize, _: u64, _: &[u8]) {}
+}
+
 /// Sender side: where payload comes from. Called only with `offset + out.len()` within the send's length.
 pub trait PayloadSource {
     /// Fill `out` with the bytes of send `msg` starting at `offset`.

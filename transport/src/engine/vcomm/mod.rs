@@ -17,7 +17,7 @@ use self::fence::{parse_fence, Held};
 use super::revive::{self, QpCtlRx, Revive};
 use super::TransportError;
 use crate::backend::verbs::{MrKeys, PostFail, QpSet, QpStats, RailPeer, RxEvent, VerbsDevice, SLOT_BYTES};
-use crate::proto::{Connection, MsgId, PayloadSource, Placer};
+use crate::proto::{Connection, MsgId, NoPlacement, PayloadSource};
 use crate::wire::{CtsKeys, CtsPacket, CtsRepr, DataPacket, DataRepr, Header, PacketType, CTS_MAX_KEY_RAILS, DATA_HEADER_LEN};
 use crate::wire::{FenceKind, FenceRepr, QP_CTL_LEN};
 
@@ -36,13 +36,6 @@ impl PayloadSource for Recorder {
     fn read(&mut self, msg: MsgId, offset: u64, out: &mut [u8]) {
         self.last = Some((msg, offset, out.len()));
     }
-}
-
-/// The payload is already in place; nothing is ever copied on the verbs path.
-struct AlreadyPlaced;
-
-impl Placer for AlreadyPlaced {
-    fn place(&mut self, _: MsgId, _: usize, _: u64, _: &[u8]) {}
 }
 
 /// Counters of the verbs side of one comm.
@@ -315,7 +308,7 @@ impl VerbsComm {
                             }
                         }
                     }
-                    conn.handle_datagram(b, now, &mut AlreadyPlaced);
+                    conn.handle_datagram(b, now, &mut NoPlacement);
                 }
             });
         }
