@@ -16,8 +16,8 @@
 //!   (a few RTOs, doubled per unanswered probe up to `path_revive_us`), at most one dead-path probe per
 //!   RTO per connection, longest-waiting first; a PONG revives it.
 //!
-//! While some path is dead a failure episode is going on: new packets keep to paths proven to work
-//! since shortly before the first of them died (a failing spine takes many entropies at once, and a
+//! While some path is suspect or dead a failure episode is going on: new packets keep to paths proven
+//! to work since shortly before the first of them went bad (a failing spine takes many entropies at once, and a
 //! spraying connection finds each only by losing a packet on it).
 
 use std::collections::VecDeque;
@@ -306,6 +306,11 @@ impl Paths {
                 self.events.push(Feedback::PathState { entropy: e, alive: false, now_us: now });
             }
             PathHealth::Suspect => {
+                // A failing spine takes many entropies at once and a spraying connection finds each
+                // only by losing a packet on it: from the first suspicion on, new packets keep to paths
+                // proven since (shortly before) it.
+                let since = self.blamed_sent_at.unwrap_or(now.saturating_sub(p.rtt.rto_us()));
+                self.episode_since.get_or_insert(since);
                 p.bad_since = now;
                 p.probe_failures = 0;
                 if p.probe == Probe::Idle {
@@ -322,7 +327,7 @@ impl Paths {
                 }
             }
         }
-        if self.dead == 0 {
+        if self.dead == 0 && self.suspect == 0 {
             self.episode_since = None;
         }
     }
