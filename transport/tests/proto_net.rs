@@ -813,7 +813,11 @@ fn probes_and_timeouts_move_a_single_path_flow_off_broken_paths() {
             verify(&sim, &posted);
         }
         let st = sim.stats(A);
-        let tried: Vec<u16> = (0..3).filter(|&e| st.paths[e as usize].pkts_sent > 0).collect();
+        // A broken path that carried first copies is noticed. (One that carried only a retransmission
+        // which a tail-loss probe then recovered on another path is not blamed: a probe resends the
+        // newest packet without knowing whether its copy was lost; that path is found when it next
+        // loses a first copy.)
+        let tried: Vec<u16> = (0..3).filter(|&e| st.paths[e as usize].pkts_sent > st.paths[e as usize].retransmissions).collect();
         assert!(!tried.is_empty(), "ECMP must have tried a broken path");
         for e in tried {
             let p = &st.paths[e as usize];
@@ -1032,7 +1036,12 @@ fn random_loss_over_sprayed_paths_is_recovered_in_round_trips_not_timeouts() {
                     continue;
                 }
                 assert!(ls[A].dropped_data >= 20, "loss {loss}: the run must lose DATA: {ls:?}");
-                assert!(found >= ls[A].dropped_data, "loss {loss} paths {n_paths}: {found} losses found for {ls:?}");
+                // Every dropped DATA packet was found lost, or was the packet a tail-loss probe resent.
+                assert!(
+                    found + st.tail_probes >= ls[A].dropped_data,
+                    "loss {loss} paths {n_paths}: {found} losses found and {} tail probes for {ls:?}",
+                    st.tail_probes
+                );
                 assert!(
                     st.timeout_losses * 20 <= found,
                     "loss {loss} paths {n_paths}: {} of {found} losses found by a timeout (more than 5 %)",
