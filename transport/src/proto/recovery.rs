@@ -57,8 +57,8 @@ const TLP_MAX_BACKOFF: u32 = 8;
 const REO_MULT_MAX: u32 = 256;
 
 /// The reordering window grows (on spurious losses) up to this many smoothed RTTs. RFC 8985 stops at
-/// one; sprayed paths under queueing differ by more (the fault-free 128-host fat tree of seed 000
-/// lost ~1,000 packets per run spuriously with one).
+/// one; the RTTs of sprayed paths under queueing can differ by more, so the window may keep growing
+/// while losses keep turning out spurious.
 const REO_MAX_SRTTS: u64 = 4;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
