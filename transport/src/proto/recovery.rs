@@ -312,8 +312,15 @@ impl Connection {
             }
             let rec = &self.tx.ring[(psn - self.tx.snd_una) as usize];
             // Candidates were sent before RACK's reference (transmissions are in sending order).
-            if tx_seq >= self.tx.acked_tx_end && rec.sent_at >= self.tx.acked_sent_at {
-                break;
+            // Packets handed over at the same instant are one batch, which the backend sends grouped
+            // by path (one system call per source port): within it only a path's own order holds.
+            if rec.sent_at >= self.tx.acked_sent_at {
+                if tx_seq >= self.tx.acked_tx_end {
+                    break;
+                }
+                if self.paths.get(rec.entropy).delivered_tx_end <= tx_seq {
+                    continue;
+                }
             }
             let (suspect_at, expected) = self.expected_at(rec);
             let (entropy, sent_at) = (rec.entropy, rec.sent_at);
@@ -329,13 +336,20 @@ impl Connection {
                 continue;
             }
             let suspect_due = suspect_at.saturating_add(reo);
+            // On a path already found failing, a packet is lost halfway between suspect and lost.
+            let failing_due = suspect_due + (due - suspect_due) / 2;
+            if failing_due <= now && !self.paths.get(entropy).alive() {
+                self.declare_lost(psn, now, LossCause::Time);
+                continue;
+            }
             let mut at = due;
-            if self.paths.get(entropy).alive() {
-                if suspect_due <= now {
-                    self.overdue(entropy, tx_seq, sent_at, now);
-                } else {
-                    at = at.min(suspect_due);
-                }
+            if suspect_due <= now {
+                self.overdue(entropy, tx_seq, sent_at, now);
+            }
+            if suspect_due > now {
+                at = at.min(suspect_due);
+            } else if failing_due > now {
+                at = at.min(failing_due);
             }
             if counted && expected > now {
                 at = at.min(expected);

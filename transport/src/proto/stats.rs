@@ -163,6 +163,9 @@ pub struct ConnStats {
     pub cts_sent: u64,
     /// CTS resent after their timer expired.
     pub cts_retransmitted: u64,
+    /// Second copies of a CTS, sent on another path right after the first (`cts_sent` and
+    /// `cts_retransmitted` count each CTS once).
+    pub cts_copies: u64,
     /// CTS received (duplicates included).
     pub cts_received: u64,
     /// Other control packets sent (ACK, PING, PONG, CLOSE).
