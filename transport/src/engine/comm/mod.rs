@@ -90,7 +90,7 @@ struct BoardState {
 
 /// The per-comm half of the rail backend (`rail::RailBackend`).
 enum CommBackend {
-    /// UDP: datagrams are built into these buffers and sent per rail (sendmmsg).
+    /// UDP: datagrams are built into these buffers and sent per rail and socket (GSO trains, or sendmmsg).
     Udp(UdpTx),
     /// Verbs: the comm's QPs and the registrations of its outstanding buffers.
     Verbs(Box<VerbsComm>),
@@ -320,7 +320,9 @@ impl CommCore {
                     self.rx.wrong_peer += 1;
                     continue;
                 }
-                self.conn.handle_datagram(&d.buf[..d.len], now, &mut sinks);
+                for pkt in d.packets() {
+                    self.conn.handle_datagram(pkt, now, &mut sinks);
+                }
             }
         }
         if !self.rx.incoming.is_empty() {
@@ -435,10 +437,13 @@ impl CommCore {
                 self.board.steered += u64::from(sock != e % paths);
                 by_rail[rail].push((sock, k));
             }
-            for (rail, items) in by_rail.iter().enumerate() {
+            for (rail, items) in by_rail.iter_mut().enumerate() {
                 if items.is_empty() {
                     continue;
                 }
+                // Each socket's datagrams together, in the order proto made them (the pairs are
+                // distinct, so the unstable sort keeps it): a run per entropy, sent as GSO trains.
+                items.sort_unstable();
                 let dest = peer_rails[rail % peer_rails.len()];
                 let pkts: Vec<(u16, &[u8])> = items.iter().map(|&(e, k)| (e, &bufs[k][..meta[k].1])).collect();
                 let Some(udp) = self.net.rails[rail].backend.udp() else { continue };
