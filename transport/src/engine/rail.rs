@@ -72,6 +72,9 @@ struct RxBatch {
 /// Receive buffers per `recvmmsg` when GRO is on (each holds up to 64 KiB of coalesced datagrams).
 const GRO_BATCH: usize = 16;
 
+/// `recvmmsg` calls one `poll_rx` makes at most (the spare pool holds as many batches).
+const RX_ROUNDS: usize = 4;
+
 /// What moves a rail's packets: the one place the engine tells its two backends apart.
 pub(crate) enum RailBackend {
     /// The rail's UDP sockets (one per entropy, plus the rail port).
@@ -205,8 +208,9 @@ impl Rail {
     /// Give receive buffers back for reuse.
     pub fn recycle(&self, bufs: impl Iterator<Item = Vec<u8>>) {
         let mut spare = self.spare.lock();
-        // Four batches' worth: 256 datagram buffers, or 64 coalesced ones (4 MiB).
-        let cap = if self.buf_len > self.max_datagram + 1 { 4 * GRO_BATCH } else { 4 * BATCH };
+        // As many as one `poll_rx` hands out (256 datagram buffers, or 64 coalesced ones: 4 MiB), so
+        // that a steady flow takes its buffers from here, not from the allocator (which zeroes them).
+        let cap = RX_ROUNDS * if self.buf_len > self.max_datagram + 1 { GRO_BATCH } else { BATCH };
         let room = cap.saturating_sub(spare.len());
         spare.extend(bufs.filter(|b| b.len() >= self.buf_len).take(room));
     }
@@ -234,7 +238,7 @@ impl Rail {
             self.drain_strays();
         }
         // Bounded so that one test() call cannot be held hostage by a flood.
-        for _ in 0..16 {
+        for _ in 0..RX_ROUNDS {
             if let Err(e) = udp.recv(0, bufs, got) {
                 tracing::warn!(rail = %self.info.name, "recvmmsg failed: {e}");
                 return;
