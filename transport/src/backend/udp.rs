@@ -116,6 +116,8 @@ pub struct UdpRail {
     strays: Epoll,
     /// Datagrams the local stack refused (`sendmmsg` errors other than a full buffer).
     send_errors: std::sync::atomic::AtomicU64,
+    /// Datagrams dropped because a socket's send buffer was full (`EAGAIN`).
+    send_full: std::sync::atomic::AtomicU64,
     /// GSO trains are sent (cleared for good if the kernel refuses one).
     gso: std::sync::atomic::AtomicBool,
     /// The rail port receives coalesced buffers (see [`segments`]).
@@ -207,6 +209,7 @@ impl UdpRail {
             addr,
             strays,
             send_errors: std::sync::atomic::AtomicU64::new(0),
+            send_full: std::sync::atomic::AtomicU64::new(0),
             gso: std::sync::atomic::AtomicBool::new(gso),
             gro,
             trains: std::sync::atomic::AtomicU64::new(0),
@@ -222,6 +225,11 @@ impl UdpRail {
     /// The rail port receives coalesced buffers: receive buffers must hold [`GRO_BUF_BYTES`].
     pub fn gro(&self) -> bool {
         self.gro
+    }
+
+    /// Datagrams dropped so far because a socket's send buffer was full (each lost, and recovered).
+    pub fn send_full(&self) -> u64 {
+        self.send_full.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// GSO trains sent so far, and the datagrams they carried.
@@ -303,7 +311,10 @@ impl UdpRail {
                     }
                 }
                 // A full buffer ends the run, as on the plain path.
-                Err(nix::errno::Errno::EAGAIN) => return run.len(),
+                Err(nix::errno::Errno::EAGAIN) => {
+                    self.send_full.fetch_add((run.len() - k) as u64, Relaxed);
+                    return run.len();
+                }
                 // The kernel or the device cannot segment (no checksum offload: EIO; no UDP_SEGMENT:
                 // EINVAL/ENOPROTOOPT/EOPNOTSUPP): GSO is off for this rail, the rest goes one by one.
                 Err(
@@ -332,7 +343,7 @@ impl UdpRail {
 
     /// Send `run` (one socket's datagrams) with `sendmmsg`, one datagram per message.
     fn send_plain(&self, sock: &UdpSocket, addr: SockaddrIn, run: &[(u16, &[u8])], sent: &mut usize) {
-        for chunk in run.chunks(BATCH) {
+        for (c, chunk) in run.chunks(BATCH).enumerate() {
             let iovs: Vec<[IoSlice<'_>; 1]> = chunk.iter().map(|&(_, p)| [IoSlice::new(p)]).collect();
             let addrs = vec![Some(addr); chunk.len()];
             let mut hdrs = MultiHeaders::<SockaddrIn>::preallocate(chunk.len(), None);
@@ -350,7 +361,11 @@ impl UdpRail {
                             return;
                         }
                     }
-                    Err(nix::errno::Errno::EAGAIN) => return,
+                    Err(nix::errno::Errno::EAGAIN) => {
+                        let left = run.len() - c * BATCH - k;
+                        self.send_full.fetch_add(left as u64, std::sync::atomic::Ordering::Relaxed);
+                        return;
+                    }
                     Err(err) => {
                         self.refused(err);
                         k += 1;

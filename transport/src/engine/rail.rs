@@ -130,7 +130,7 @@ impl RailBackend {
                 let (trains, in_trains) = u.train_stats();
                 serde_json::json!({
                     "source_ports": u.ports(), "verbs_device": null, "wrong_port_kernel_dropped": u.send_only_drops(),
-                    "send_errors": u.send_errors(), "gso": u.gso(), "gro": u.gro(),
+                    "send_errors": u.send_errors(), "send_buffer_full_dropped": u.send_full(), "gso": u.gso(), "gro": u.gro(),
                     "gso_trains": trains, "gso_train_datagrams": in_trains,
                 })
             }
@@ -138,7 +138,7 @@ impl RailBackend {
                 "source_ports": null,
                 "verbs_device": { "name": d.name, "gid_index": d.gid_index, "mtu": d.mtu_bytes, "registrations": d.registrations() },
                 "wrong_port_kernel_dropped": null, "send_errors": null,
-                "gso": null, "gro": null, "gso_trains": null, "gso_train_datagrams": null,
+                "send_buffer_full_dropped": null, "gso": null, "gro": null, "gso_trains": null, "gso_train_datagrams": null,
             }),
         }
     }
