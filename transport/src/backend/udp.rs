@@ -78,21 +78,52 @@ fn log_once(flag: &std::sync::atomic::AtomicBool, what: std::fmt::Arguments<'_>)
     }
 }
 
+/// One datagram to send: its entropy and its bytes in two parts, sent back to back without being
+/// copied together (the engine's header, then the payload where NCCL's buffer holds it; either may
+/// be empty).
+#[derive(Debug, Clone, Copy)]
+pub struct OutDatagram<'a> {
+    /// The entropy, i.e. the socket it leaves from.
+    pub entropy: u16,
+    /// The first bytes.
+    pub head: &'a [u8],
+    /// The rest.
+    pub tail: &'a [u8],
+}
+
+impl<'a> OutDatagram<'a> {
+    /// A datagram in one piece.
+    pub fn whole(entropy: u16, bytes: &'a [u8]) -> Self {
+        Self { entropy, head: bytes, tail: &[] }
+    }
+
+    /// Its length in bytes.
+    pub fn len(&self) -> usize {
+        self.head.len() + self.tail.len()
+    }
+
+    /// True for an empty datagram.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
 /// How many of `pkts` (datagrams of one socket, in order) one GSO train takes: the first datagram
 /// sets the segment size, every following one has that size but the last, which may be shorter, and
 /// the train stays within one UDP message and `MAX_TRAIN_SEGMENTS`.
-pub fn train_len(pkts: &[(u16, &[u8])]) -> usize {
-    let Some(&(_, first)) = pkts.first() else { return 0 };
+pub fn train_len(pkts: &[OutDatagram<'_>]) -> usize {
+    let Some(first) = pkts.first() else { return 0 };
     let seg = first.len();
     let mut total = seg;
     let mut n = 1;
-    for &(_, p) in &pkts[1..] {
-        if seg == 0 || n == MAX_TRAIN_SEGMENTS || p.len() > seg || p.is_empty() || total + p.len() > MAX_TRAIN_BYTES {
+    for p in &pkts[1..] {
+        let len = p.len();
+        if seg == 0 || n == MAX_TRAIN_SEGMENTS || len > seg || len == 0 || total + len > MAX_TRAIN_BYTES {
             break;
         }
-        total += p.len();
+        total += len;
         n += 1;
-        if p.len() < seg {
+        if len < seg {
             break;
         }
     }
@@ -265,14 +296,14 @@ impl UdpRail {
     /// order; across entropies the batch is reordered by at most its length (the transport's reorder
     /// threshold allows for that). A full socket buffer (`EAGAIN`) drops the rest of that run: the
     /// transport treats it as loss. Returns how many datagrams the kernel took.
-    pub fn send(&self, dest: SocketAddrV4, pkts: &[(u16, &[u8])]) -> io::Result<usize> {
+    pub fn send(&self, dest: SocketAddrV4, pkts: &[OutDatagram<'_>]) -> io::Result<usize> {
         let addr = SockaddrIn::from(dest);
         let mut sent = 0;
         let mut i = 0;
         while i < pkts.len() {
-            let e = pkts[i].0;
+            let e = pkts[i].entropy;
             let mut j = i + 1;
-            while j < pkts.len() && pkts[j].0 == e {
+            while j < pkts.len() && pkts[j].entropy == e {
                 j += 1;
             }
             let sock = &self.socks[e as usize % self.socks.len()];
@@ -289,20 +320,27 @@ impl UdpRail {
     /// Send `run` (one socket's datagrams) as GSO trains; returns how many of `run` are dealt with
     /// (sent, dropped on a full buffer, or refused): all of them unless the kernel refused GSO itself,
     /// in which case GSO is off from now on and the caller sends the rest one by one.
-    fn send_trains(&self, sock: &UdpSocket, addr: SockaddrIn, run: &[(u16, &[u8])], sent: &mut usize) -> usize {
+    fn send_trains(&self, sock: &UdpSocket, addr: SockaddrIn, run: &[OutDatagram<'_>], sent: &mut usize) -> usize {
         use std::sync::atomic::Ordering::Relaxed;
-        let mut iov = [IoSlice::new(&[]); MAX_TRAIN_SEGMENTS];
+        let mut iov = [IoSlice::new(&[]); 2 * MAX_TRAIN_SEGMENTS];
         let mut k = 0;
         while k < run.len() {
             let n = train_len(&run[k..]).max(1);
-            for (slot, &(_, p)) in iov.iter_mut().zip(&run[k..k + n]) {
-                *slot = IoSlice::new(p);
+            // The kernel cuts the train every `seg` bytes wherever its pieces end.
+            let mut nio = 0;
+            for p in &run[k..k + n] {
+                for part in [p.head, p.tail] {
+                    if !part.is_empty() {
+                        iov[nio] = IoSlice::new(part);
+                        nio += 1;
+                    }
+                }
             }
             // The segment size fits: a train is at most MAX_TRAIN_BYTES long.
-            let seg = run[k].1.len() as u16;
+            let seg = run[k].len() as u16;
             let gso = [ControlMessage::UdpGsoSegments(&seg)];
             let cmsgs: &[ControlMessage<'_>] = if n > 1 { &gso } else { &[] };
-            match sendmsg(sock.as_raw_fd(), &iov[..n], cmsgs, MsgFlags::MSG_DONTWAIT, Some(&addr)) {
+            match sendmsg(sock.as_raw_fd(), &iov[..nio], cmsgs, MsgFlags::MSG_DONTWAIT, Some(&addr)) {
                 Ok(_) => {
                     *sent += n;
                     if n > 1 {
@@ -342,9 +380,9 @@ impl UdpRail {
     }
 
     /// Send `run` (one socket's datagrams) with `sendmmsg`, one datagram per message.
-    fn send_plain(&self, sock: &UdpSocket, addr: SockaddrIn, run: &[(u16, &[u8])], sent: &mut usize) {
+    fn send_plain(&self, sock: &UdpSocket, addr: SockaddrIn, run: &[OutDatagram<'_>], sent: &mut usize) {
         for (c, chunk) in run.chunks(BATCH).enumerate() {
-            let iovs: Vec<[IoSlice<'_>; 1]> = chunk.iter().map(|&(_, p)| [IoSlice::new(p)]).collect();
+            let iovs: Vec<[IoSlice<'_>; 2]> = chunk.iter().map(|p| [IoSlice::new(p.head), IoSlice::new(p.tail)]).collect();
             let addrs = vec![Some(addr); chunk.len()];
             let mut hdrs = MultiHeaders::<SockaddrIn>::preallocate(chunk.len(), None);
             // sendmmsg stops at the first datagram that fails and reports the error on the next call:
@@ -524,7 +562,7 @@ mod tests {
         let b = UdpRail::bind(Ipv4Addr::LOCALHOST, 1, 1 << 20, Offloads::ALL).unwrap();
         let dest = SocketAddrV4::new(Ipv4Addr::LOCALHOST, b.rail_port());
         let payloads: Vec<Vec<u8>> = (0..10u8).map(|i| vec![i; 100 + i as usize]).collect();
-        let pkts: Vec<(u16, &[u8])> = payloads.iter().enumerate().map(|(i, p)| ((i / 3) as u16, &p[..])).collect();
+        let pkts: Vec<OutDatagram<'_>> = payloads.iter().enumerate().map(|(i, p)| OutDatagram::whole((i / 3) as u16, p)).collect();
         assert_eq!(a.send(dest, &pkts).unwrap(), 10);
         let mut bufs = vec![vec![0u8; 2048]; 16];
         let mut got = Vec::new();
@@ -582,7 +620,7 @@ mod tests {
     fn a_train_is_equal_datagrams_but_a_shorter_last_within_one_message() {
         let big: &[u8] = &[0u8; 9000];
         let small: &[u8] = &[0u8; 100];
-        let t = |sizes: &[&[u8]]| train_len(&sizes.iter().map(|p| (0u16, *p)).collect::<Vec<_>>());
+        let t = |sizes: &[&[u8]]| train_len(&sizes.iter().map(|p| OutDatagram::whole(0, p)).collect::<Vec<_>>());
         assert_eq!(t(&[]), 0);
         assert_eq!(t(&[big]), 1);
         // 7 x 9000 fits in 65,507 bytes, 8 do not.
@@ -602,7 +640,9 @@ mod tests {
         let a = UdpRail::bind(Ipv4Addr::LOCALHOST, 2, 4 << 20, tx).unwrap();
         let b = UdpRail::bind(Ipv4Addr::LOCALHOST, 1, 4 << 20, rx).unwrap();
         let dest = SocketAddrV4::new(Ipv4Addr::LOCALHOST, b.rail_port());
-        let pkts: Vec<(u16, &[u8])> = payloads.iter().map(|p| (1u16, &p[..])).collect();
+        // In two pieces where they are long enough (a header, then the payload in place).
+        let pkts: Vec<OutDatagram<'_>> =
+            payloads.iter().map(|p| OutDatagram { entropy: 1, head: &p[..p.len().min(48)], tail: &p[p.len().min(48)..] }).collect();
         assert_eq!(a.send(dest, &pkts).unwrap(), payloads.len());
         let mut bufs = vec![vec![0u8; GRO_BUF_BYTES]; 16];
         let mut got = Vec::new();
