@@ -365,16 +365,16 @@ impl UdpRail {
                     log_once(&GSO_FALLBACK_LOGGED, format_args!("the kernel refused a UDP GSO train ({err}): one datagram per message"));
                     return k;
                 }
-                Err(err) => self.refused(err),
+                Err(err) => self.refused(err, n),
             }
             k += n;
         }
         run.len()
     }
 
-    /// One refused datagram or train: counted, logged once.
-    fn refused(&self, err: nix::errno::Errno) {
-        if self.send_errors.fetch_add(1, std::sync::atomic::Ordering::Relaxed) == 0 {
+    /// A refused datagram, or train of `n`: counted per datagram, logged once.
+    fn refused(&self, err: nix::errno::Errno, n: usize) {
+        if self.send_errors.fetch_add(n as u64, std::sync::atomic::Ordering::Relaxed) == 0 {
             tracing::warn!("a datagram was refused by the local stack ({err}); it is lost and resent (counted in send_errors)");
         }
     }
@@ -405,7 +405,7 @@ impl UdpRail {
                         return;
                     }
                     Err(err) => {
-                        self.refused(err);
+                        self.refused(err, 1);
                         k += 1;
                     }
                 }
