@@ -94,7 +94,7 @@ impl Net {
                 let payload = payload - payload % wire::LINE_BYTES;
                 min_dgram = min_dgram.min(wire::MAX_HEADER_LEN + payload);
                 let addr = d.ipv4;
-                rails.push(Arc::new(Rail::new(info, RailBackend::Verbs(Arc::new(d)), addr, min_dgram)));
+                rails.push(Arc::new(Rail::new(rails.len(), info, RailBackend::Verbs(Arc::new(d)), addr, min_dgram)));
             }
         }
         let devices = if rails.is_empty() { device::discover(&cfg.ifnames)? } else { Vec::new() };
@@ -115,7 +115,7 @@ impl Net {
                 rail = %info.name, addr = %addr, port = udp.rail_port(), paths = udp.paths(), max_datagram = max_dgram,
                 gso = udp.gso(), gro = udp.gro(), "rail ready: {} source ports, one per entropy", udp.paths()
             );
-            rails.push(Arc::new(Rail::new(info, RailBackend::Udp(udp), addr, max_dgram)));
+            rails.push(Arc::new(Rail::new(rails.len(), info, RailBackend::Udp(udp), addr, max_dgram)));
         }
         if rails.len() > MAX_RAILS {
             return Err(TransportError::Config(format!("PRISM_IFNAMES: {} rails, at most {MAX_RAILS}", rails.len())));

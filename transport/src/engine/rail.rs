@@ -15,8 +15,9 @@ use crate::backend::verbs::VerbsDevice;
 use crate::wire;
 
 /// Datagrams waiting for their connection: source, bytes (the Vec is a recycled receive buffer),
-/// length, the segment size of a coalesced (GRO) buffer (0: one datagram), the connection's token, and
-/// the length past which a datagram is too long for the rail it arrived on.
+/// length, the segment size of a coalesced (GRO) buffer (0: one datagram), the connection's token, the
+/// length past which a datagram is too long for the rail it arrived on, and that rail's index (the
+/// buffer goes back to its pool).
 /// A coalesced buffer may hold datagrams of other connections between the same two sockets: the
 /// receiver reads only the segments that carry `token` (see [`Datagram::packets`]).
 pub(crate) struct Datagram {
@@ -26,6 +27,7 @@ pub(crate) struct Datagram {
     pub seg: usize,
     pub token: u64,
     pub max_len: usize,
+    pub rail: usize,
 }
 
 impl Datagram {
@@ -146,6 +148,8 @@ impl RailBackend {
 
 /// A rail: device description, backend, demux table, recycled buffers.
 pub(crate) struct Rail {
+    /// Position in the engine's rails (NCCL's device index).
+    pub index: usize,
     pub info: DeviceInfo,
     /// UDP sockets or RDMA device.
     pub backend: RailBackend,
@@ -167,7 +171,7 @@ pub(crate) struct Rail {
 }
 
 impl Rail {
-    pub fn new(info: DeviceInfo, backend: RailBackend, addr: Ipv4Addr, max_datagram: usize) -> Self {
+    pub fn new(index: usize, info: DeviceInfo, backend: RailBackend, addr: Ipv4Addr, max_datagram: usize) -> Self {
         // One spare byte so that an oversized datagram shows up as longer than allowed, not truncated.
         let (nbufs, buf_len) = match backend.udp() {
             Some(u) if u.gro() => (GRO_BATCH, GRO_BUF_BYTES.max(max_datagram + 1)),
@@ -176,6 +180,7 @@ impl Rail {
         };
         let bufs = (0..nbufs).map(|_| vec![0u8; buf_len]).collect();
         Self {
+            index,
             info,
             backend,
             addr,
@@ -286,7 +291,7 @@ impl Rail {
                         copy[..len].copy_from_slice(&bufs[k][..len]);
                         copy
                     };
-                    inbox.q.lock().push(Datagram { src, buf, len, seg, token, max_len: self.max_datagram + 1 });
+                    inbox.q.lock().push(Datagram { src, buf, len, seg, token, max_len: self.max_datagram + 1, rail: self.index });
                 }
             }
             drop(spare);

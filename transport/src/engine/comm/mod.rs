@@ -342,7 +342,13 @@ impl CommCore {
             }
         }
         if !self.rx.incoming.is_empty() {
-            self.net.rails[0].recycle(self.rx.incoming.drain(..).map(|d| d.buf));
+            // Each buffer back to the pool of the rail it came from (one pass per rail).
+            for rail in &self.net.rails {
+                if self.rx.incoming.iter().any(|d| d.rail == rail.index) {
+                    rail.recycle(self.rx.incoming.iter_mut().filter(|d| d.rail == rail.index).map(|d| std::mem::take(&mut d.buf)));
+                }
+            }
+            self.rx.incoming.clear();
         }
         if self.conn.poll_timeout().is_some_and(|t| t <= now) {
             self.conn.handle_timeout(now);
