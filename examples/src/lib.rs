@@ -19,6 +19,7 @@ pub mod ffi;
 pub mod launch;
 pub mod memnet;
 pub mod net;
+pub mod pump;
 pub mod rendezvous;
 pub mod report;
 

@@ -77,6 +77,16 @@ impl SendBuf for HostSendBuf {
         // overlap NCCL's read-only message.
         unsafe { std::ptr::copy_nonoverlapping(self.ptr.add(offset), out.as_mut_ptr(), out.len()) };
     }
+
+    fn bytes(&self) -> Option<&[u8]> {
+        if self.len == 0 {
+            return Some(&[]);
+        }
+        // SAFETY: `new`'s contract: `ptr` is valid for reads of `len` bytes until the request completes
+        // or its comm is closed, which drops this object first (so the slice, borrowed from it, cannot
+        // outlive the memory), and nobody writes those bytes meanwhile.
+        Some(unsafe { std::slice::from_raw_parts(self.ptr, self.len) })
+    }
 }
 
 impl RecvBuf for HostRecvBuf {

@@ -11,19 +11,124 @@
 //! counts) whatever reaches them; the set's descriptor ([`UdpRail::stray_fd`]) is readable while any
 //! of them is, so a thread sleeping in `poll` wakes for them too.
 //!
-//! Both directions are batched (`sendmmsg`/`recvmmsg`, through `nix`'s safe wrappers, so this file
-//! needs no `unsafe`).
+//! Both directions are batched, through `nix`'s safe wrappers (so this file needs no `unsafe`). Where
+//! the kernel supports them (and `PRISM_UDP_GSO`/`PRISM_UDP_GRO` leave them on), a run of datagrams of
+//! one entropy whose sizes are equal (the last may be shorter) leaves as one GSO train (`sendmsg` with
+//! `UDP_SEGMENT`: one system call and one trip through the stack for up to 64 KiB), and the rail port
+//! receives coalesced buffers (`UDP_GRO`) that [`segments`] splits by the segment size the kernel
+//! reports. Elsewhere, or when the kernel refuses a train, it is one datagram per message
+//! (`sendmmsg`/`recvmmsg`), as before; each fallback is logged once.
 
 use std::io::{self, IoSlice, IoSliceMut};
 use std::net::{Ipv4Addr, SocketAddrV4, UdpSocket};
 use std::os::fd::AsRawFd;
 
 use nix::sys::epoll::{Epoll, EpollCreateFlags, EpollEvent, EpollFlags, EpollTimeout};
-use nix::sys::socket::{recvmmsg, sendmmsg, MsgFlags, MultiHeaders, SockaddrIn};
+use nix::sys::socket::{
+    recvmmsg, sendmmsg, sendmsg, setsockopt, sockopt, ControlMessage, ControlMessageOwned, MsgFlags, MultiHeaders, SockaddrIn,
+};
 use socket2::{Domain, Protocol, Socket, Type};
 
 /// Most datagrams one `sendmmsg`/`recvmmsg` moves.
 pub const BATCH: usize = 64;
+
+/// Largest UDP payload of one message, a GSO train or a GRO buffer included (65,535 minus the IPv4
+/// and UDP headers).
+pub const MAX_TRAIN_BYTES: usize = 65_507;
+
+/// Most datagrams in one GSO train (the kernel's `UDP_MAX_SEGMENTS` is 64 on older kernels).
+pub const MAX_TRAIN_SEGMENTS: usize = 64;
+
+/// Bytes of a receive buffer when GRO is on: a coalesced buffer never exceeds one UDP message, and a
+/// longer one would be cut off (the cut segment then fails the packet checks, like any truncation).
+pub const GRO_BUF_BYTES: usize = 65_536;
+
+/// The UDP offloads a rail asks for (`PRISM_UDP_GSO`, `PRISM_UDP_GRO`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Offloads {
+    /// Send GSO trains.
+    pub gso: bool,
+    /// Receive coalesced buffers.
+    pub gro: bool,
+}
+
+impl Offloads {
+    /// Both on.
+    pub const ALL: Self = Self { gso: true, gro: true };
+    /// Both off: one datagram per message in both directions.
+    pub const NONE: Self = Self { gso: false, gro: false };
+}
+
+/// The byte ranges of the datagrams in a receive buffer holding `len` bytes that the kernel coalesced
+/// with segment size `seg` (0: one datagram). Every segment has `seg` bytes but the last, which may be
+/// shorter. The ranges never leave `0..len`, whatever `seg` says (it is checked like any input: a
+/// bogus size only cuts the buffer into pieces that then fail the packet checks one by one).
+pub fn segments(len: usize, seg: usize) -> impl Iterator<Item = std::ops::Range<usize>> {
+    let step = if seg == 0 || seg >= len { len.max(1) } else { seg };
+    (0..len.max(1)).step_by(step).map(move |start| start..(start + step).min(len))
+}
+
+/// Logged once per process: the kernel refused an offload (every rail would say the same).
+static GSO_FALLBACK_LOGGED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+static GRO_FALLBACK_LOGGED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+fn log_once(flag: &std::sync::atomic::AtomicBool, what: std::fmt::Arguments<'_>) {
+    if !flag.swap(true, std::sync::atomic::Ordering::Relaxed) {
+        tracing::info!("{what}");
+    }
+}
+
+/// One datagram to send: its entropy and its bytes in two parts, sent back to back without being
+/// copied together (the engine's header, then the payload where NCCL's buffer holds it; either may
+/// be empty).
+#[derive(Debug, Clone, Copy)]
+pub struct OutDatagram<'a> {
+    /// The entropy, i.e. the socket it leaves from.
+    pub entropy: u16,
+    /// The first bytes.
+    pub head: &'a [u8],
+    /// The rest.
+    pub tail: &'a [u8],
+}
+
+impl<'a> OutDatagram<'a> {
+    /// A datagram in one piece.
+    pub fn whole(entropy: u16, bytes: &'a [u8]) -> Self {
+        Self { entropy, head: bytes, tail: &[] }
+    }
+
+    /// Its length in bytes.
+    pub fn len(&self) -> usize {
+        self.head.len() + self.tail.len()
+    }
+
+    /// True for an empty datagram.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// How many of `pkts` (datagrams of one socket, in order) one GSO train takes: the first datagram
+/// sets the segment size, every following one has that size but the last, which may be shorter, and
+/// the train stays within one UDP message and `MAX_TRAIN_SEGMENTS`.
+pub fn train_len(pkts: &[OutDatagram<'_>]) -> usize {
+    let Some(first) = pkts.first() else { return 0 };
+    let seg = first.len();
+    let mut total = seg;
+    let mut n = 1;
+    for p in &pkts[1..] {
+        let len = p.len();
+        if seg == 0 || n == MAX_TRAIN_SEGMENTS || len > seg || len == 0 || total + len > MAX_TRAIN_BYTES {
+            break;
+        }
+        total += len;
+        n += 1;
+        if len < seg {
+            break;
+        }
+    }
+    n
+}
 
 /// Bytes of a stray datagram read by [`UdpRail::drain_strays`]: it is discarded, so the rest is cut off.
 const STRAY_PEEK: usize = 64;
@@ -42,6 +147,15 @@ pub struct UdpRail {
     strays: Epoll,
     /// Datagrams the local stack refused (`sendmmsg` errors other than a full buffer).
     send_errors: std::sync::atomic::AtomicU64,
+    /// Datagrams dropped because a socket's send buffer was full (`EAGAIN`).
+    send_full: std::sync::atomic::AtomicU64,
+    /// GSO trains are sent (cleared for good if the kernel refuses one).
+    gso: std::sync::atomic::AtomicBool,
+    /// The rail port receives coalesced buffers (see [`segments`]).
+    gro: bool,
+    /// GSO trains sent, and the datagrams they carried (statistics).
+    trains: std::sync::atomic::AtomicU64,
+    train_datagrams: std::sync::atomic::AtomicU64,
 }
 
 /// A classic BPF program that accepts nothing: attached to the send-only sockets, the kernel drops
@@ -77,7 +191,9 @@ impl UdpRail {
     /// Bind `paths` non-blocking sockets on `addr`, each on its own ephemeral port. Socket 0 (the rail
     /// port) gets `sockbuf_bytes` of receive buffer; the others receive nothing legitimate and get the
     /// kernel's smallest (see the module comment).
-    pub fn bind(addr: Ipv4Addr, paths: u16, sockbuf_bytes: u32) -> io::Result<Self> {
+    /// `offloads` says which of GSO and GRO to use where the kernel has them; without (setsockopt
+    /// fails) the rail uses one datagram per message and says so once per process.
+    pub fn bind(addr: Ipv4Addr, paths: u16, sockbuf_bytes: u32, offloads: Offloads) -> io::Result<Self> {
         let mut socks = Vec::with_capacity(paths as usize);
         let mut ports = Vec::with_capacity(paths as usize);
         let strays = Epoll::new(EpollCreateFlags::EPOLL_CLOEXEC)?;
@@ -100,7 +216,57 @@ impl UdpRail {
             ports.push(u.local_addr()?.port());
             socks.push(u);
         }
-        Ok(Self { socks, ports, addr, strays, send_errors: std::sync::atomic::AtomicU64::new(0) })
+        // GSO is asked for per message (a cmsg); a kernel that knows the option accepts it as a
+        // socket option too (0: no default segment size).
+        let gso = offloads.gso
+            && match setsockopt(&socks[0], sockopt::UdpGsoSegment, &0) {
+                Ok(()) => true,
+                Err(e) => {
+                    log_once(&GSO_FALLBACK_LOGGED, format_args!("UDP GSO unavailable ({e}): one datagram per message"));
+                    false
+                }
+            };
+        let gro = offloads.gro
+            && match setsockopt(&socks[0], sockopt::UdpGroSegment, &true) {
+                Ok(()) => true,
+                Err(e) => {
+                    log_once(&GRO_FALLBACK_LOGGED, format_args!("UDP GRO unavailable ({e}): one datagram per receive buffer"));
+                    false
+                }
+            };
+        Ok(Self {
+            socks,
+            ports,
+            addr,
+            strays,
+            send_errors: std::sync::atomic::AtomicU64::new(0),
+            send_full: std::sync::atomic::AtomicU64::new(0),
+            gso: std::sync::atomic::AtomicBool::new(gso),
+            gro,
+            trains: std::sync::atomic::AtomicU64::new(0),
+            train_datagrams: std::sync::atomic::AtomicU64::new(0),
+        })
+    }
+
+    /// GSO trains are in use (false where the kernel lacks them, refused one, or they were turned off).
+    pub fn gso(&self) -> bool {
+        self.gso.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// The rail port receives coalesced buffers: receive buffers must hold [`GRO_BUF_BYTES`].
+    pub fn gro(&self) -> bool {
+        self.gro
+    }
+
+    /// Datagrams dropped so far because a socket's send buffer was full (each lost, and recovered).
+    pub fn send_full(&self) -> u64 {
+        self.send_full.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// GSO trains sent so far, and the datagrams they carried.
+    pub fn train_stats(&self) -> (u64, u64) {
+        use std::sync::atomic::Ordering::Relaxed;
+        (self.trains.load(Relaxed), self.train_datagrams.load(Relaxed))
     }
 
     /// Datagrams the local stack refused so far (each lost, and recovered like any loss).
@@ -123,72 +289,157 @@ impl UdpRail {
         &self.ports
     }
 
-    /// Send `pkts` (entropy, bytes) to `dest` with one `sendmmsg` per entropy: a socket is one source
-    /// port, so a batch sprayed over P entropies costs P system calls, not one per packet. Packets of
-    /// one entropy keep their order; across entropies the batch is reordered by at most its length
-    /// (the transport's reorder threshold allows for that). A full socket buffer (`EAGAIN`) drops the
-    /// rest of that entropy's run: the transport treats it as loss. Returns how many datagrams the
-    /// kernel took.
-    pub fn send(&self, dest: SocketAddrV4, pkts: &[(u16, &[u8])]) -> io::Result<usize> {
+    /// Send `pkts` (entropy, bytes) to `dest`, per run of consecutive datagrams of one entropy (a
+    /// socket is one source port; callers put each entropy's datagrams together, in order, so that a
+    /// batch sprayed over P entropies costs P runs, not one per packet). A run leaves as GSO trains
+    /// (see [`train_len`]) when GSO is on, else with one `sendmmsg`. Packets of one entropy keep their
+    /// order; across entropies the batch is reordered by at most its length (the transport's reorder
+    /// threshold allows for that). A full socket buffer (`EAGAIN`) drops the rest of that run: the
+    /// transport treats it as loss. Returns how many datagrams the kernel took.
+    pub fn send(&self, dest: SocketAddrV4, pkts: &[OutDatagram<'_>]) -> io::Result<usize> {
         let addr = SockaddrIn::from(dest);
-        let mut order: Vec<usize> = (0..pkts.len()).collect();
-        order.sort_by_key(|&k| pkts[k].0);
         let mut sent = 0;
         let mut i = 0;
-        while i < order.len() {
-            let e = pkts[order[i]].0;
+        while i < pkts.len() {
+            let e = pkts[i].entropy;
             let mut j = i + 1;
-            while j < order.len() && pkts[order[j]].0 == e {
+            while j < pkts.len() && pkts[j].entropy == e {
                 j += 1;
             }
             let sock = &self.socks[e as usize % self.socks.len()];
-            let iovs: Vec<[IoSlice<'_>; 1]> = order[i..j].iter().map(|&k| [IoSlice::new(pkts[k].1)]).collect();
-            let addrs = vec![Some(addr); j - i];
-            let mut hdrs = MultiHeaders::<SockaddrIn>::preallocate(j - i, None);
-            // sendmmsg stops at the first datagram that fails and reports the error on the next call:
-            // one refused datagram (a local firewall rule answers EPERM, a route error) must not take
-            // the rest of the run with it. Only a full buffer (EAGAIN) ends the run.
-            let mut k = 0;
-            while k < j - i {
-                match sendmmsg(sock.as_raw_fd(), &mut hdrs, &iovs[k..], &addrs[k..], [], MsgFlags::MSG_DONTWAIT) {
-                    Ok(res) => {
-                        let n = res.count();
-                        sent += n;
-                        k += n;
-                        if n == 0 {
-                            break;
-                        }
-                    }
-                    Err(nix::errno::Errno::EAGAIN) => break,
-                    Err(err) => {
-                        if self.send_errors.fetch_add(1, std::sync::atomic::Ordering::Relaxed) == 0 {
-                            tracing::warn!(
-                                "a datagram was refused by the local stack ({err}); it is lost and resent (counted in send_errors)"
-                            );
-                        }
-                        k += 1;
-                    }
-                }
+            let run = &pkts[i..j];
+            let done = if self.gso() { self.send_trains(sock, addr, run, &mut sent) } else { 0 };
+            if done < run.len() {
+                self.send_plain(sock, addr, &run[done..], &mut sent);
             }
             i = j;
         }
         Ok(sent)
     }
 
-    /// Receive up to `bufs.len()` (at most `BATCH`) datagrams from socket `sock` without blocking;
-    /// the k-th `(len, source)` in `out` describes `bufs[k]`.
-    pub fn recv(&self, sock: usize, bufs: &mut [Vec<u8>], out: &mut Vec<(usize, SocketAddrV4)>) -> io::Result<()> {
+    /// Send `run` (one socket's datagrams) as GSO trains; returns how many of `run` are dealt with
+    /// (sent, dropped on a full buffer, or refused): all of them unless the kernel refused GSO itself,
+    /// in which case GSO is off from now on and the caller sends the rest one by one.
+    fn send_trains(&self, sock: &UdpSocket, addr: SockaddrIn, run: &[OutDatagram<'_>], sent: &mut usize) -> usize {
+        use std::sync::atomic::Ordering::Relaxed;
+        let mut iov = [IoSlice::new(&[]); 2 * MAX_TRAIN_SEGMENTS];
+        let mut k = 0;
+        while k < run.len() {
+            let n = train_len(&run[k..]).max(1);
+            // The kernel cuts the train every `seg` bytes wherever its pieces end.
+            let mut nio = 0;
+            for p in &run[k..k + n] {
+                for part in [p.head, p.tail] {
+                    if !part.is_empty() {
+                        iov[nio] = IoSlice::new(part);
+                        nio += 1;
+                    }
+                }
+            }
+            // The segment size fits: a train is at most MAX_TRAIN_BYTES long.
+            let seg = run[k].len() as u16;
+            let gso = [ControlMessage::UdpGsoSegments(&seg)];
+            let cmsgs: &[ControlMessage<'_>] = if n > 1 { &gso } else { &[] };
+            match sendmsg(sock.as_raw_fd(), &iov[..nio], cmsgs, MsgFlags::MSG_DONTWAIT, Some(&addr)) {
+                Ok(_) => {
+                    *sent += n;
+                    if n > 1 {
+                        self.trains.fetch_add(1, Relaxed);
+                        self.train_datagrams.fetch_add(n as u64, Relaxed);
+                    }
+                }
+                // A full buffer ends the run, as on the plain path.
+                Err(nix::errno::Errno::EAGAIN) => {
+                    self.send_full.fetch_add((run.len() - k) as u64, Relaxed);
+                    return run.len();
+                }
+                // The kernel or the device cannot segment (no checksum offload: EIO; no UDP_SEGMENT:
+                // EINVAL/ENOPROTOOPT/EOPNOTSUPP): GSO is off for this rail, the rest goes one by one.
+                Err(
+                    err @ (nix::errno::Errno::EIO
+                    | nix::errno::Errno::EINVAL
+                    | nix::errno::Errno::ENOPROTOOPT
+                    | nix::errno::Errno::EOPNOTSUPP),
+                ) if n > 1 => {
+                    self.gso.store(false, Relaxed);
+                    log_once(&GSO_FALLBACK_LOGGED, format_args!("the kernel refused a UDP GSO train ({err}): one datagram per message"));
+                    return k;
+                }
+                Err(err) => self.refused(err, n),
+            }
+            k += n;
+        }
+        run.len()
+    }
+
+    /// A refused datagram, or train of `n`: counted per datagram, logged once.
+    fn refused(&self, err: nix::errno::Errno, n: usize) {
+        if self.send_errors.fetch_add(n as u64, std::sync::atomic::Ordering::Relaxed) == 0 {
+            tracing::warn!("a datagram was refused by the local stack ({err}); it is lost and resent (counted in send_errors)");
+        }
+    }
+
+    /// Send `run` (one socket's datagrams) with `sendmmsg`, one datagram per message.
+    fn send_plain(&self, sock: &UdpSocket, addr: SockaddrIn, run: &[OutDatagram<'_>], sent: &mut usize) {
+        for (c, chunk) in run.chunks(BATCH).enumerate() {
+            let iovs: Vec<[IoSlice<'_>; 2]> = chunk.iter().map(|p| [IoSlice::new(p.head), IoSlice::new(p.tail)]).collect();
+            let addrs = vec![Some(addr); chunk.len()];
+            let mut hdrs = MultiHeaders::<SockaddrIn>::preallocate(chunk.len(), None);
+            // sendmmsg stops at the first datagram that fails and reports the error on the next call:
+            // one refused datagram (a local firewall rule answers EPERM, a route error) must not take
+            // the rest of the run with it. Only a full buffer (EAGAIN) ends the run.
+            let mut k = 0;
+            while k < chunk.len() {
+                match sendmmsg(sock.as_raw_fd(), &mut hdrs, &iovs[k..], &addrs[k..], [], MsgFlags::MSG_DONTWAIT) {
+                    Ok(res) => {
+                        let n = res.count();
+                        *sent += n;
+                        k += n;
+                        if n == 0 {
+                            return;
+                        }
+                    }
+                    Err(nix::errno::Errno::EAGAIN) => {
+                        let left = run.len() - c * BATCH - k;
+                        self.send_full.fetch_add(left as u64, std::sync::atomic::Ordering::Relaxed);
+                        return;
+                    }
+                    Err(err) => {
+                        self.refused(err, 1);
+                        k += 1;
+                    }
+                }
+            }
+        }
+    }
+
+    /// Receive up to `bufs.len()` (at most `BATCH`) buffers from socket `sock` without blocking; the
+    /// k-th `(len, source, segment size)` in `out` describes `bufs[k]`. The segment size is the one
+    /// the kernel reported for a coalesced (GRO) buffer, 0 for a single datagram: split the buffer
+    /// with [`segments`].
+    pub fn recv(&self, sock: usize, bufs: &mut [Vec<u8>], out: &mut Vec<(usize, SocketAddrV4, usize)>) -> io::Result<()> {
         out.clear();
         let n = bufs.len().min(BATCH);
-        let mut hdrs = MultiHeaders::<SockaddrIn>::preallocate(n, None);
+        let gro = self.gro && sock == 0;
+        let mut hdrs = MultiHeaders::<SockaddrIn>::preallocate(n, gro.then(|| nix::cmsg_space!(i32)));
         let mut iovs: Vec<[IoSliceMut<'_>; 1]> = bufs[..n].iter_mut().map(|b| [IoSliceMut::new(&mut b[..])]).collect();
         match recvmmsg(self.socks[sock].as_raw_fd(), &mut hdrs, iovs.iter_mut(), MsgFlags::MSG_DONTWAIT, None) {
             Ok(res) => {
                 for r in res {
-                    // Keep one entry per datagram so that entry k stays buffer k; a datagram without a
+                    // Keep one entry per buffer so that entry k stays buffer k; a datagram without a
                     // source (none on UDP) gets 0.0.0.0:0, which no connection accepts as its peer.
                     let src = r.address.map_or(SocketAddrV4::new(Ipv4Addr::UNSPECIFIED, 0), |a| SocketAddrV4::new(a.ip(), a.port()));
-                    out.push((r.bytes, src));
+                    let mut seg = 0;
+                    if gro {
+                        if let Ok(cmsgs) = r.cmsgs() {
+                            for c in cmsgs {
+                                if let ControlMessageOwned::UdpGroSegments(s) = c {
+                                    seg = usize::try_from(s).unwrap_or(0);
+                                }
+                            }
+                        }
+                    }
+                    out.push((r.bytes, src, seg));
                 }
                 Ok(())
             }
@@ -274,7 +525,7 @@ mod tests {
 
     #[test]
     fn each_entropy_has_its_own_source_port() {
-        let rail = UdpRail::bind(Ipv4Addr::LOCALHOST, 8, 1 << 20).unwrap();
+        let rail = UdpRail::bind(Ipv4Addr::LOCALHOST, 8, 1 << 20, Offloads::ALL).unwrap();
         let mut ports = rail.ports().to_vec();
         ports.sort_unstable();
         ports.dedup();
@@ -283,7 +534,7 @@ mod tests {
 
     #[test]
     fn datagrams_at_a_send_only_port_are_dropped_by_the_kernel_and_counted() {
-        let rail = UdpRail::bind(Ipv4Addr::LOCALHOST, 4, 1 << 20).unwrap();
+        let rail = UdpRail::bind(Ipv4Addr::LOCALHOST, 4, 1 << 20, Offloads::ALL).unwrap();
         let stray = SocketAddrV4::new(Ipv4Addr::LOCALHOST, rail.ports()[2]);
         let attacker = UdpSocket::bind((Ipv4Addr::LOCALHOST, 0)).unwrap();
         assert_eq!(rail.send_only_drops(), Some(0), "nothing sent yet");
@@ -307,19 +558,21 @@ mod tests {
 
     #[test]
     fn batched_datagrams_arrive_from_the_entropys_port() {
-        let a = UdpRail::bind(Ipv4Addr::LOCALHOST, 4, 1 << 20).unwrap();
-        let b = UdpRail::bind(Ipv4Addr::LOCALHOST, 1, 1 << 20).unwrap();
+        let a = UdpRail::bind(Ipv4Addr::LOCALHOST, 4, 1 << 20, Offloads::ALL).unwrap();
+        let b = UdpRail::bind(Ipv4Addr::LOCALHOST, 1, 1 << 20, Offloads::ALL).unwrap();
         let dest = SocketAddrV4::new(Ipv4Addr::LOCALHOST, b.rail_port());
         let payloads: Vec<Vec<u8>> = (0..10u8).map(|i| vec![i; 100 + i as usize]).collect();
-        let pkts: Vec<(u16, &[u8])> = payloads.iter().enumerate().map(|(i, p)| ((i / 3) as u16, &p[..])).collect();
+        let pkts: Vec<OutDatagram<'_>> = payloads.iter().enumerate().map(|(i, p)| OutDatagram::whole((i / 3) as u16, p)).collect();
         assert_eq!(a.send(dest, &pkts).unwrap(), 10);
         let mut bufs = vec![vec![0u8; 2048]; 16];
         let mut got = Vec::new();
         let mut seen = Vec::new();
         for _ in 0..1000 {
             b.recv(0, &mut bufs, &mut got).unwrap();
-            for (k, (len, src)) in got.iter().enumerate() {
-                seen.push((bufs[k][0], *len, src.port()));
+            for (k, &(len, src, seg)) in got.iter().enumerate() {
+                for r in segments(len, seg) {
+                    seen.push((bufs[k][r.start], r.len(), src.port()));
+                }
             }
             if seen.len() == 10 {
                 break;
@@ -332,5 +585,101 @@ mod tests {
             assert_eq!(len, 100 + i as usize);
             assert_eq!(port, a.ports()[(i / 3) as usize]);
         }
+    }
+
+    #[test]
+    #[allow(clippy::single_range_in_vec_init)]
+    fn a_gro_buffer_splits_into_segments_inside_it() {
+        let r: Vec<_> = segments(30, 10).collect();
+        assert_eq!(r, [0..10, 10..20, 20..30]);
+        // A truncated last segment.
+        assert_eq!(segments(25, 10).collect::<Vec<_>>(), [0..10, 10..20, 20..25]);
+        // No segment size: one datagram.
+        assert_eq!(segments(25, 0).collect::<Vec<_>>(), [0..25]);
+        // Bogus sizes: larger than the buffer, absurdly large, 1.
+        assert_eq!(segments(25, 26).collect::<Vec<_>>(), [0..25]);
+        assert_eq!(segments(25, usize::MAX).collect::<Vec<_>>(), [0..25]);
+        assert_eq!(segments(5, 1).collect::<Vec<_>>(), [0..1, 1..2, 2..3, 3..4, 4..5]);
+        // An empty buffer is one empty datagram (a runt, dropped by the packet checks).
+        assert_eq!(segments(0, 7).collect::<Vec<_>>(), [0..0]);
+        for len in 0..300 {
+            for seg in [0, 1, 2, 3, 7, 64, 127, 128, 299, 300, 301, usize::MAX / 2] {
+                let mut next = 0;
+                for r in segments(len, seg) {
+                    assert_eq!(r.start, next, "len {len} seg {seg}: ranges are contiguous");
+                    assert!(r.end <= len, "len {len} seg {seg}: {r:?} leaves the buffer");
+                    assert!(seg == 0 || r.len() <= seg, "len {len} seg {seg}: {r:?} is longer than a segment");
+                    next = r.end;
+                }
+                assert_eq!(next, len, "len {len} seg {seg}: every byte is in a segment");
+            }
+        }
+    }
+
+    #[test]
+    fn a_train_is_equal_datagrams_but_a_shorter_last_within_one_message() {
+        let big: &[u8] = &[0u8; 9000];
+        let small: &[u8] = &[0u8; 100];
+        let t = |sizes: &[&[u8]]| train_len(&sizes.iter().map(|p| OutDatagram::whole(0, p)).collect::<Vec<_>>());
+        assert_eq!(t(&[]), 0);
+        assert_eq!(t(&[big]), 1);
+        // 7 x 9000 fits in 65,507 bytes, 8 do not.
+        assert_eq!(t(&[big; 10]), 7);
+        // A shorter datagram ends the train (it is its last).
+        assert_eq!(t(&[big, big, small, big]), 3);
+        // A longer datagram cannot follow.
+        assert_eq!(t(&[small, big]), 1);
+        assert_eq!(t(&[small; 100]), MAX_TRAIN_SEGMENTS);
+        assert_eq!(t(&[small, &[]]), 1);
+    }
+
+    /// Send `payloads` over one entropy from a rail with `tx` offloads to one with `rx` offloads and
+    /// return what arrived (datagram by datagram, split as the engine splits), and how many coalesced
+    /// buffers were seen.
+    fn exchange(tx: Offloads, rx: Offloads, payloads: &[Vec<u8>]) -> (Vec<Vec<u8>>, usize, (u64, u64)) {
+        let a = UdpRail::bind(Ipv4Addr::LOCALHOST, 2, 4 << 20, tx).unwrap();
+        let b = UdpRail::bind(Ipv4Addr::LOCALHOST, 1, 4 << 20, rx).unwrap();
+        let dest = SocketAddrV4::new(Ipv4Addr::LOCALHOST, b.rail_port());
+        // In two pieces where they are long enough (a header, then the payload in place).
+        let pkts: Vec<OutDatagram<'_>> =
+            payloads.iter().map(|p| OutDatagram { entropy: 1, head: &p[..p.len().min(48)], tail: &p[p.len().min(48)..] }).collect();
+        assert_eq!(a.send(dest, &pkts).unwrap(), payloads.len());
+        let mut bufs = vec![vec![0u8; GRO_BUF_BYTES]; 16];
+        let mut got = Vec::new();
+        let mut seen = Vec::new();
+        let mut coalesced = 0;
+        let t0 = std::time::Instant::now();
+        while seen.len() < payloads.len() {
+            assert!(t0.elapsed() < std::time::Duration::from_secs(5), "only {} of {} arrived", seen.len(), payloads.len());
+            b.recv(0, &mut bufs, &mut got).unwrap();
+            for (k, &(len, src, seg)) in got.iter().enumerate() {
+                assert_eq!(src.port(), a.ports()[1]);
+                coalesced += usize::from(seg > 0 && seg < len);
+                seen.extend(segments(len, seg).map(|r| bufs[k][r].to_vec()));
+            }
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        }
+        (seen, coalesced, a.train_stats())
+    }
+
+    #[test]
+    fn gso_and_gro_deliver_the_same_datagrams_as_the_plain_path() {
+        // 20 full datagrams and a short one (a message's last packet), then a control-sized one.
+        let mut payloads: Vec<Vec<u8>> = (0..20u32).map(|i| (0..8960u32).map(|b| (b * 7 + i * 13) as u8).collect()).collect();
+        payloads.push(vec![0xab; 1234]);
+        payloads.push(vec![0xcd; 64]);
+        let (plain, plain_coalesced, plain_trains) = exchange(Offloads::NONE, Offloads::NONE, &payloads);
+        assert_eq!(plain, payloads, "the plain path delivers every datagram, in order");
+        assert_eq!(plain_coalesced, 0);
+        assert_eq!(plain_trains, (0, 0));
+        let (fast, fast_coalesced, (trains, in_trains)) = exchange(Offloads::ALL, Offloads::ALL, &payloads);
+        assert_eq!(fast, payloads, "GSO trains received with GRO deliver the same datagrams, in order");
+        // 21 datagrams in trains of at most 7 (the 1,234-byte one ends the third), then a single one.
+        assert_eq!((trains, in_trains), (3, 21), "this kernel has UDP GSO on loopback");
+        assert!(fast_coalesced > 0, "loopback hands a GRO socket the trains whole");
+        // GSO towards a socket without GRO: the kernel splits the trains.
+        let (mixed, mixed_coalesced, _) = exchange(Offloads::ALL, Offloads::NONE, &payloads);
+        assert_eq!(mixed, payloads);
+        assert_eq!(mixed_coalesced, 0);
     }
 }

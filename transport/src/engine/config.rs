@@ -42,6 +42,11 @@ pub struct TransportConfig {
     pub ib_gid_index: Option<u8>,
     /// `PRISM_IB_CHUNK`: payload bytes of one verbs DATA packet (one RDMA WRITE).
     pub ib_chunk: u32,
+    /// `PRISM_UDP_GSO`: send runs of equal datagrams of one entropy as one GSO train (`UDP_SEGMENT`)
+    /// where the kernel supports it.
+    pub udp_gso: bool,
+    /// `PRISM_UDP_GRO`: receive coalesced datagrams (`UDP_GRO`) where the kernel supports it.
+    pub udp_gro: bool,
 }
 
 /// `PRISM_TRANSPORT`.
@@ -83,7 +88,25 @@ impl Default for TransportConfig {
             qp: QpType::Uc,
             ib_gid_index: None,
             ib_chunk: 65_536,
+            udp_gso: true,
+            udp_gro: true,
         }
+    }
+}
+
+/// A 0/1 switch.
+fn flag(vars: &BTreeMap<String, String>, var: &str, out: &mut bool) -> Result<(), TransportError> {
+    match vars.get(var).map(|v| v.trim()) {
+        None => Ok(()),
+        Some("1") => {
+            *out = true;
+            Ok(())
+        }
+        Some("0") => {
+            *out = false;
+            Ok(())
+        }
+        Some(v) => Err(bad(var, v, "must be 0 or 1")),
     }
 }
 
@@ -127,6 +150,8 @@ impl TransportConfig {
         "PRISM_QP",
         "PRISM_IB_GID_INDEX",
         "PRISM_IB_CHUNK",
+        "PRISM_UDP_GSO",
+        "PRISM_UDP_GRO",
     ];
 
     /// Parse the variables; absent ones keep their defaults, bad ones are errors naming the variable.
@@ -189,6 +214,8 @@ impl TransportConfig {
             c.ib_gid_index = Some(g);
         }
         num(vars, "PRISM_IB_CHUNK", 1024, 1 << 24, &mut c.ib_chunk)?;
+        flag(vars, "PRISM_UDP_GSO", &mut c.udp_gso)?;
+        flag(vars, "PRISM_UDP_GRO", &mut c.udp_gro)?;
         if !(c.ib_chunk as usize).is_multiple_of(crate::wire::LINE_BYTES) {
             let v = vars.get("PRISM_IB_CHUNK").map_or("", String::as_str);
             return Err(bad("PRISM_IB_CHUNK", v, &format!("must be a multiple of {} (NCCL's LL128 line)", crate::wire::LINE_BYTES)));
@@ -201,7 +228,7 @@ impl TransportConfig {
         let ifs = if self.ifnames.is_empty() { "<default route>".to_string() } else { self.ifnames.join(",") };
         let mtu = if self.mtu == 0 { "auto".to_string() } else { self.mtu.to_string() };
         format!(
-            "transport={} ifnames={ifs} ib_hca={} qp={} ib_gid_index={} ib_chunk={} paths={} mtu={mtu} window={} peer_timeout_ms={} stall_timeout_ms={} connect_timeout_ms={} rto_min_us={} sockbuf={} seed={}",
+            "transport={} ifnames={ifs} ib_hca={} qp={} ib_gid_index={} ib_chunk={} paths={} mtu={mtu} window={} peer_timeout_ms={} stall_timeout_ms={} connect_timeout_ms={} rto_min_us={} sockbuf={} seed={} udp_gso={} udp_gro={}",
             match self.transport {
                 Transport::Auto => "auto",
                 Transport::Verbs => "verbs",
@@ -214,7 +241,8 @@ impl TransportConfig {
             },
             self.ib_gid_index.map_or("auto".to_string(), |g| g.to_string()),
             self.ib_chunk,
-            self.paths, self.window_pkts, self.peer_timeout_ms, self.stall_timeout_ms, self.connect_timeout_ms, self.rto_min_us, self.sockbuf, self.seed
+            self.paths, self.window_pkts, self.peer_timeout_ms, self.stall_timeout_ms, self.connect_timeout_ms, self.rto_min_us, self.sockbuf, self.seed,
+            u8::from(self.udp_gso), u8::from(self.udp_gro)
         )
     }
 }
@@ -236,6 +264,16 @@ mod tests {
     fn paths_zero_is_an_error_naming_the_variable() {
         let e = TransportConfig::from_vars(&vars(&[("PRISM_PATHS", "0")])).unwrap_err().to_string();
         assert_eq!(e, "PRISM_PATHS=0: must be between 1 and 1024");
+    }
+
+    #[test]
+    fn udp_offloads_are_switches() {
+        let c = TransportConfig::default();
+        assert!(c.udp_gso && c.udp_gro);
+        let c = TransportConfig::from_vars(&vars(&[("PRISM_UDP_GSO", "0"), ("PRISM_UDP_GRO", "0")])).unwrap();
+        assert!(!c.udp_gso && !c.udp_gro);
+        let e = TransportConfig::from_vars(&vars(&[("PRISM_UDP_GRO", "yes")])).unwrap_err().to_string();
+        assert_eq!(e, "PRISM_UDP_GRO=yes: must be 0 or 1");
     }
 
     #[test]

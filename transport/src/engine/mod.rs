@@ -96,6 +96,12 @@ pub trait SendBuf: Send {
     fn addr(&self) -> Option<usize> {
         None
     }
+    /// The message's bytes in place, for a backend that sends them without copying them first (UDP
+    /// hands the kernel the engine's header and a slice of these bytes); `None`: the engine copies
+    /// them with `read`.
+    fn bytes(&self) -> Option<&[u8]> {
+        None
+    }
 }
 
 /// Bytes the engine writes into when it receives. The plugin implements it over the caller's buffer.

@@ -19,7 +19,7 @@ use super::progress::Progress;
 use super::rail::{Rail, RailBackend};
 use super::shared::{HandshakeStats, NetInner};
 use super::{device, sysfs, DeviceInfo, TransportConfig, TransportError, HANDLE_LEN};
-use crate::backend::udp::{UdpRail, BATCH};
+use crate::backend::udp::{Offloads, UdpRail, BATCH};
 use crate::backend::verbs;
 use crate::proto::ProtoConfig;
 use crate::wire::{self, HELLO_MAX_RAILS};
@@ -94,7 +94,7 @@ impl Net {
                 let payload = payload - payload % wire::LINE_BYTES;
                 min_dgram = min_dgram.min(wire::MAX_HEADER_LEN + payload);
                 let addr = d.ipv4;
-                rails.push(Arc::new(Rail::new(info, RailBackend::Verbs(Arc::new(d)), addr, min_dgram)));
+                rails.push(Arc::new(Rail::new(rails.len(), info, RailBackend::Verbs(Arc::new(d)), addr, min_dgram)));
             }
         }
         let devices = if rails.is_empty() { device::discover(&cfg.ifnames)? } else { Vec::new() };
@@ -109,12 +109,13 @@ impl Net {
                 return Err(TransportError::Config(format!("PRISM_MTU={mtu}: too small for Prism's headers")));
             }
             min_dgram = min_dgram.min(max_dgram);
-            let udp = UdpRail::bind(addr, cfg.paths, cfg.sockbuf).map_err(io_err(format!("binding UDP sockets on {}", info.ifname)))?;
+            let udp = UdpRail::bind(addr, cfg.paths, cfg.sockbuf, Offloads { gso: cfg.udp_gso, gro: cfg.udp_gro })
+                .map_err(io_err(format!("binding UDP sockets on {}", info.ifname)))?;
             tracing::info!(
                 rail = %info.name, addr = %addr, port = udp.rail_port(), paths = udp.paths(), max_datagram = max_dgram,
-                "rail ready: {} source ports, one per entropy", udp.paths()
+                gso = udp.gso(), gro = udp.gro(), "rail ready: {} source ports, one per entropy", udp.paths()
             );
-            rails.push(Arc::new(Rail::new(info, RailBackend::Udp(udp), addr, max_dgram)));
+            rails.push(Arc::new(Rail::new(rails.len(), info, RailBackend::Udp(udp), addr, max_dgram)));
         }
         if rails.len() > MAX_RAILS {
             return Err(TransportError::Config(format!("PRISM_IFNAMES: {} rails, at most {MAX_RAILS}", rails.len())));

@@ -10,15 +10,37 @@ use std::sync::Arc;
 use parking_lot::{Mutex, RwLock};
 
 use super::DeviceInfo;
-use crate::backend::udp::{UdpRail, BATCH};
+use crate::backend::udp::{segments, UdpRail, BATCH, GRO_BUF_BYTES};
 use crate::backend::verbs::VerbsDevice;
 use crate::wire;
 
-/// A datagram waiting for its connection: source, bytes (the Vec is a recycled receive buffer), length.
+/// Datagrams waiting for their connection: source, bytes (the Vec is a recycled receive buffer),
+/// length, the segment size of a coalesced (GRO) buffer (0: one datagram), the connection's token, the
+/// length past which a datagram is too long for the rail it arrived on, and that rail's index (the
+/// buffer goes back to its pool).
+/// A coalesced buffer may hold datagrams of other connections between the same two sockets: the
+/// receiver reads only the segments that carry `token` (see [`Datagram::packets`]).
 pub(crate) struct Datagram {
     pub src: SocketAddrV4,
     pub buf: Vec<u8>,
     pub len: usize,
+    pub seg: usize,
+    pub token: u64,
+    pub max_len: usize,
+    pub rail: usize,
+}
+
+impl Datagram {
+    /// The datagrams of this buffer that carry its token, each at most `max_len` bytes (a longer one is
+    /// cut to one byte over the rail's largest datagram, which the packet checks reject, as they reject
+    /// any oversized datagram).
+    pub fn packets(&self) -> impl Iterator<Item = &[u8]> {
+        let max_len = self.max_len;
+        let len = self.len.min(self.buf.len());
+        segments(len, self.seg)
+            .map(move |r| &self.buf[r.start..r.end.min(r.start.saturating_add(max_len))])
+            .filter(move |p| wire::peek_token(p) == Some(self.token))
+    }
 }
 
 /// Datagrams demultiplexed to one connection.
@@ -38,12 +60,22 @@ impl Inbox {
 /// they are empty; the progress thread drains them as soon as they are readable).
 const STRAY_EVERY: u32 = 16;
 
+/// Most connections whose datagrams one coalesced buffer is handed to (GRO merges datagrams of one
+/// socket pair, which all comms between two ranks on a rail share; normally one).
+const MAX_TOKENS_PER_BUF: usize = 8;
+
 /// The receive batch of a UDP rail (named apart from proto's receive state).
 struct RxBatch {
     bufs: Vec<Vec<u8>>,
-    got: Vec<(usize, SocketAddrV4)>,
+    got: Vec<(usize, SocketAddrV4, usize)>,
     polls: u32,
 }
+
+/// Receive buffers per `recvmmsg` when GRO is on (each holds up to 64 KiB of coalesced datagrams).
+const GRO_BATCH: usize = 16;
+
+/// `recvmmsg` calls one `poll_rx` makes at most (the spare pool holds as many batches).
+const RX_ROUNDS: usize = 4;
 
 /// What moves a rail's packets: the one place the engine tells its two backends apart.
 pub(crate) enum RailBackend {
@@ -96,14 +128,19 @@ impl RailBackend {
     /// The backend's part of the rail's statistics.
     pub fn json(&self) -> serde_json::Value {
         match self {
-            RailBackend::Udp(u) => serde_json::json!({
-                "source_ports": u.ports(), "verbs_device": null, "wrong_port_kernel_dropped": u.send_only_drops(),
-                "send_errors": u.send_errors(),
-            }),
+            RailBackend::Udp(u) => {
+                let (trains, in_trains) = u.train_stats();
+                serde_json::json!({
+                    "source_ports": u.ports(), "verbs_device": null, "wrong_port_kernel_dropped": u.send_only_drops(),
+                    "send_errors": u.send_errors(), "send_buffer_full_dropped": u.send_full(), "gso": u.gso(), "gro": u.gro(),
+                    "gso_trains": trains, "gso_train_datagrams": in_trains,
+                })
+            }
             RailBackend::Verbs(d) => serde_json::json!({
                 "source_ports": null,
                 "verbs_device": { "name": d.name, "gid_index": d.gid_index, "mtu": d.mtu_bytes, "registrations": d.registrations() },
                 "wrong_port_kernel_dropped": null, "send_errors": null,
+                "send_buffer_full_dropped": null, "gso": null, "gro": null, "gso_trains": null, "gso_train_datagrams": null,
             }),
         }
     }
@@ -111,6 +148,8 @@ impl RailBackend {
 
 /// A rail: device description, backend, demux table, recycled buffers.
 pub(crate) struct Rail {
+    /// Position in the engine's rails (NCCL's device index).
+    pub index: usize,
     pub info: DeviceInfo,
     /// UDP sockets or RDMA device.
     pub backend: RailBackend,
@@ -118,6 +157,8 @@ pub(crate) struct Rail {
     pub addr: Ipv4Addr,
     /// Largest datagram this rail sends or accepts (IP/UDP headers excluded).
     pub max_datagram: usize,
+    /// Bytes of each receive buffer: one datagram and a byte, or a coalesced (GRO) buffer.
+    buf_len: usize,
     rx: Mutex<RxBatch>,
     routes: RwLock<HashMap<u64, Arc<Inbox>>>,
     spare: Mutex<Vec<Vec<u8>>>,
@@ -130,15 +171,21 @@ pub(crate) struct Rail {
 }
 
 impl Rail {
-    pub fn new(info: DeviceInfo, backend: RailBackend, addr: Ipv4Addr, max_datagram: usize) -> Self {
+    pub fn new(index: usize, info: DeviceInfo, backend: RailBackend, addr: Ipv4Addr, max_datagram: usize) -> Self {
         // One spare byte so that an oversized datagram shows up as longer than allowed, not truncated.
-        let nbufs = if backend.udp().is_some() { BATCH } else { 0 };
-        let bufs = (0..nbufs).map(|_| vec![0u8; max_datagram + 1]).collect();
+        let (nbufs, buf_len) = match backend.udp() {
+            Some(u) if u.gro() => (GRO_BATCH, GRO_BUF_BYTES.max(max_datagram + 1)),
+            Some(_) => (BATCH, max_datagram + 1),
+            None => (0, 0),
+        };
+        let bufs = (0..nbufs).map(|_| vec![0u8; buf_len]).collect();
         Self {
+            index,
             info,
             backend,
             addr,
             max_datagram,
+            buf_len,
             rx: Mutex::new(RxBatch { bufs, got: Vec::with_capacity(BATCH), polls: 0 }),
             routes: RwLock::new(HashMap::new()),
             spare: Mutex::new(Vec::new()),
@@ -166,8 +213,11 @@ impl Rail {
     /// Give receive buffers back for reuse.
     pub fn recycle(&self, bufs: impl Iterator<Item = Vec<u8>>) {
         let mut spare = self.spare.lock();
-        let room = (4 * BATCH).saturating_sub(spare.len());
-        spare.extend(bufs.take(room));
+        // As many as one `poll_rx` hands out (256 datagram buffers, or 64 coalesced ones: 4 MiB), so
+        // that a steady flow takes its buffers from here, not from the allocator (which zeroes them).
+        let cap = RX_ROUNDS * if self.buf_len > self.max_datagram + 1 { GRO_BATCH } else { BATCH };
+        let room = cap.saturating_sub(spare.len());
+        spare.extend(bufs.filter(|b| b.len() >= self.buf_len).take(room));
     }
 
     /// Discard (and count) what reached the rail's send-only sockets.
@@ -193,7 +243,7 @@ impl Rail {
             self.drain_strays();
         }
         // Bounded so that one test() call cannot be held hostage by a flood.
-        for _ in 0..16 {
+        for _ in 0..RX_ROUNDS {
             if let Err(e) = udp.recv(0, bufs, got) {
                 tracing::warn!(rail = %self.info.name, "recvmmsg failed: {e}");
                 return;
@@ -202,19 +252,49 @@ impl Rail {
                 return;
             }
             let routes = self.routes.read();
-            for (k, &(len, src)) in got.iter().enumerate() {
-                let Some(token) = wire::peek_token(&bufs[k][..len]) else {
-                    self.runt.fetch_add(1, Ordering::Relaxed);
-                    continue;
-                };
-                let Some(inbox) = routes.get(&token) else {
-                    self.unknown_token.fetch_add(1, Ordering::Relaxed);
-                    continue;
-                };
-                let fresh = self.spare.lock().pop().unwrap_or_else(|| vec![0u8; self.max_datagram + 1]);
-                let buf = std::mem::replace(&mut bufs[k], fresh);
-                inbox.q.lock().push(Datagram { src, buf, len });
+            let mut spare = self.spare.lock();
+            for (k, &(len, src, seg)) in got.iter().enumerate() {
+                let len = len.min(bufs[k].len());
+                // Each distinct token in the buffer (one, unless connections between the same two
+                // sockets were coalesced together), in order of appearance; bounded by the segments.
+                let mut tokens = [0u64; MAX_TOKENS_PER_BUF];
+                let mut ntok = 0;
+                for r in segments(len, seg) {
+                    let Some(token) = wire::peek_token(&bufs[k][r]) else {
+                        self.runt.fetch_add(1, Ordering::Relaxed);
+                        continue;
+                    };
+                    if tokens[..ntok].contains(&token) {
+                        continue;
+                    }
+                    if !routes.contains_key(&token) {
+                        self.unknown_token.fetch_add(1, Ordering::Relaxed);
+                        continue;
+                    }
+                    if ntok == MAX_TOKENS_PER_BUF {
+                        // More connections in one buffer than expected: the rest are lost (and recovered).
+                        self.unknown_token.fetch_add(1, Ordering::Relaxed);
+                        continue;
+                    }
+                    tokens[ntok] = token;
+                    ntok += 1;
+                }
+                for (i, &token) in tokens[..ntok].iter().enumerate() {
+                    let Some(inbox) = routes.get(&token) else { continue };
+                    let fresh = spare.pop().unwrap_or_else(|| vec![0u8; self.buf_len]);
+                    let buf = if i + 1 == ntok {
+                        // The last (normally the only) connection takes the buffer itself.
+                        std::mem::replace(&mut bufs[k], fresh)
+                    } else {
+                        // A copy for each other connection in it (rare: a coalesced mix).
+                        let mut copy = fresh;
+                        copy[..len].copy_from_slice(&bufs[k][..len]);
+                        copy
+                    };
+                    inbox.q.lock().push(Datagram { src, buf, len, seg, token, max_len: self.max_datagram + 1, rail: self.index });
+                }
             }
+            drop(spare);
             if got.len() < bufs.len().min(BATCH) {
                 return;
             }

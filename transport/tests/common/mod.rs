@@ -25,6 +25,21 @@ impl SendBuf for VecSend {
     fn read(&self, offset: usize, out: &mut [u8]) {
         out.copy_from_slice(&self.0[offset..offset + out.len()]);
     }
+    fn bytes(&self) -> Option<&[u8]> {
+        Some(&self.0)
+    }
+}
+
+/// A send buffer that only copies (no `bytes`): the engine's copy path.
+pub struct CopySend(pub Arc<Vec<u8>>);
+
+impl SendBuf for CopySend {
+    fn len(&self) -> usize {
+        self.0.len()
+    }
+    fn read(&self, offset: usize, out: &mut [u8]) {
+        out.copy_from_slice(&self.0[offset..offset + out.len()]);
+    }
 }
 
 /// A receive buffer the test keeps a handle on (clones share the bytes): `.0` is the memory, `.1`

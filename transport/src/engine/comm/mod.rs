@@ -15,7 +15,7 @@ use super::rail::{Datagram, Inbox};
 use super::shared::NetInner;
 use super::vcomm::VerbsComm;
 use super::{RecvBuf, ReqId, SendBuf, TransportError};
-use crate::backend::udp::BATCH;
+use crate::backend::udp::{OutDatagram, BATCH};
 use crate::proto::{Completion, Connection, MsgError, MsgId, PayloadSource, Placer, PostError};
 pub use endpoints::{RecvComm, SendComm};
 
@@ -90,7 +90,7 @@ struct BoardState {
 
 /// The per-comm half of the rail backend (`rail::RailBackend`).
 enum CommBackend {
-    /// UDP: datagrams are built into these buffers and sent per rail (sendmmsg).
+    /// UDP: datagrams are built into these buffers and sent per rail and socket (GSO trains, or sendmmsg).
     Udp(UdpTx),
     /// Verbs: the comm's QPs and the registrations of its outstanding buffers.
     Verbs(Box<VerbsComm>),
@@ -174,8 +174,10 @@ impl CommBackend {
 /// Transmit buffers of a UDP comm.
 struct UdpTx {
     bufs: Vec<Vec<u8>>,
-    /// (entropy, length) of each filled buffer.
-    meta: Vec<(u16, usize)>,
+    /// (entropy, datagram length, payload left in place: message, offset, length) of each filled
+    /// buffer; with a payload in place the buffer holds only the header, the first `length - payload`
+    /// bytes.
+    meta: Vec<(u16, usize, Option<InPlace>)>,
     /// Per rail: (socket, buffer index) to send.
     by_rail: Vec<Vec<(u16, usize)>>,
 }
@@ -199,13 +201,27 @@ pub(crate) struct CommCore {
     failures_warned: u32,
 }
 
-struct Sources<'a>(&'a HashMap<MsgId, Box<dyn SendBuf>>);
+/// A payload left in NCCL's send buffer: (message, offset, length).
+type InPlace = (MsgId, usize, usize);
+
+/// proto's payload source on UDP: where the send buffer exposes its bytes (`SendBuf::bytes`), the
+/// payload is not copied into the packet but recorded, and the datagram leaves as the packet's header
+/// followed by those bytes in place (one iovec each); otherwise it is copied.
+struct Sources<'a> {
+    bufs: &'a HashMap<MsgId, Box<dyn SendBuf>>,
+    /// The payload of the packet just built, when it stays in place: (message, offset, length).
+    in_place: Option<InPlace>,
+}
 
 impl PayloadSource for Sources<'_> {
     fn read(&mut self, msg: MsgId, offset: u64, out: &mut [u8]) {
-        if let Some(buf) = self.0.get(&msg) {
+        self.in_place = None;
+        if let Some(buf) = self.bufs.get(&msg) {
             let off = offset as usize;
-            if off.checked_add(out.len()).is_some_and(|end| end <= buf.len()) {
+            let Some(end) = off.checked_add(out.len()).filter(|&end| end <= buf.len()) else { return };
+            if buf.bytes().is_some_and(|b| end <= b.len()) {
+                self.in_place = Some((msg, off, out.len()));
+            } else {
                 buf.read(off, out);
             }
         }
@@ -320,11 +336,19 @@ impl CommCore {
                     self.rx.wrong_peer += 1;
                     continue;
                 }
-                self.conn.handle_datagram(&d.buf[..d.len], now, &mut sinks);
+                for pkt in d.packets() {
+                    self.conn.handle_datagram(pkt, now, &mut sinks);
+                }
             }
         }
         if !self.rx.incoming.is_empty() {
-            self.net.rails[0].recycle(self.rx.incoming.drain(..).map(|d| d.buf));
+            // Each buffer back to the pool of the rail it came from (one pass per rail).
+            for rail in &self.net.rails {
+                if self.rx.incoming.iter().any(|d| d.rail == rail.index) {
+                    rail.recycle(self.rx.incoming.iter_mut().filter(|d| d.rail == rail.index).map(|d| std::mem::take(&mut d.buf)));
+                }
+            }
+            self.rx.incoming.clear();
         }
         if self.conn.poll_timeout().is_some_and(|t| t <= now) {
             self.conn.handle_timeout(now);
@@ -410,12 +434,24 @@ impl CommCore {
         };
         let UdpTx { bufs, meta, by_rail } = tx;
         let peer_rails = &self.id.peer_rails;
+        let sends = &self.requests.sends;
         for _ in 0..MAX_TX_BATCHES {
             meta.clear();
-            let mut src = Sources(&self.requests.sends);
+            let mut src = Sources { bufs: sends, in_place: None };
             for buf in bufs.iter_mut() {
+                src.in_place = None;
                 match self.conn.poll_transmit(now, &mut src, buf) {
-                    Some(t) => meta.push((t.entropy, t.len)),
+                    Some(t) => {
+                        let mut pay = src.in_place.take();
+                        // The payload is the packet's tail; should it not fit (it always does), copy it.
+                        if let Some((msg, off, plen)) = pay.filter(|p| p.2 > t.len) {
+                            pay = None;
+                            if let Some(b) = sends.get(&msg) {
+                                b.read(off, &mut buf[t.len - plen.min(t.len)..t.len]);
+                            }
+                        }
+                        meta.push((t.entropy, t.len, pay));
+                    }
                     None => break,
                 }
             }
@@ -428,19 +464,32 @@ impl CommCore {
             for v in by_rail.iter_mut() {
                 v.clear();
             }
-            for (k, &(e, len)) in meta.iter().enumerate() {
+            for (k, &(e, len, _)) in meta.iter().enumerate() {
                 let rail = (e / paths) as usize % by_rail.len();
                 let dest = peer_rails[rail % peer_rails.len()];
                 let sock = Self::steer(&self.net.board, dest, e % paths, &bufs[k][..len], now);
                 self.board.steered += u64::from(sock != e % paths);
                 by_rail[rail].push((sock, k));
             }
-            for (rail, items) in by_rail.iter().enumerate() {
+            for (rail, items) in by_rail.iter_mut().enumerate() {
                 if items.is_empty() {
                     continue;
                 }
+                // Each socket's datagrams together, in the order proto made them (the pairs are
+                // distinct, so the unstable sort keeps it): a run per entropy, sent as GSO trains.
+                items.sort_unstable();
                 let dest = peer_rails[rail % peer_rails.len()];
-                let pkts: Vec<(u16, &[u8])> = items.iter().map(|&(e, k)| (e, &bufs[k][..meta[k].1])).collect();
+                let pkts: Vec<OutDatagram<'_>> = items
+                    .iter()
+                    .map(|&(e, k)| {
+                        let (_, len, pay) = meta[k];
+                        let tail = pay.and_then(|(msg, off, plen)| sends.get(&msg)?.bytes()?.get(off..off + plen));
+                        match tail {
+                            Some(tail) => OutDatagram { entropy: e, head: &bufs[k][..len - tail.len()], tail },
+                            None => OutDatagram::whole(e, &bufs[k][..len]),
+                        }
+                    })
+                    .collect();
                 let Some(udp) = self.net.rails[rail].backend.udp() else { continue };
                 if let Err(e) = udp.send(dest, &pkts) {
                     tracing::warn!(role = self.id.role, peer = %dest, "sendmmsg failed: {e}");
