@@ -459,13 +459,19 @@ impl Connection {
                 _ => continue,
             }
             let (front_tx_seq, front_sent_at) = path.queue.front().map_or((0, 0), |f| (f.tx_seq, f.sent_at));
-            if self.path_timeout(e, front_tx_seq, front_sent_at, now) == Verdict::PeerSilent {
+            let verdict = self.path_timeout(e, front_tx_seq, front_sent_at, now);
+            if verdict == Verdict::PeerSilent {
                 // The peer went silent (a stall): writing off and resending every packet in flight
                 // would only add to what it has to work through. A probe asks whether it is back; its
                 // acknowledgement lets the time-based rule find what was really lost.
                 self.tx.tlp_due = true;
                 continue;
             }
+            // Not the path's fault: only its oldest packet is resent (as TCP resends one segment on a
+            // timeout). Once that copy is acknowledged it was sent after all the others, so the
+            // time-based rule finds what else was lost; on a peer that was only slow (its receive
+            // queue held more than an RTO's worth), one duplicate per path, not every packet again.
+            let only_oldest = verdict == Verdict::NotBlamed;
             let dead = !self.paths.get(e).usable();
             while let Some(&TxEntry { tx_seq, psn, sent_at }) = self.paths.get(e).queue.front() {
                 if !self.tx.is_live(tx_seq, psn) {
@@ -473,6 +479,9 @@ impl Connection {
                 } else if dead || sent_at.saturating_add(rto) <= now {
                     self.paths.get_mut(e).queue.pop_front();
                     self.declare_lost(psn, now, LossCause::Timeout);
+                    if only_oldest {
+                        break;
+                    }
                 } else {
                     break;
                 }
