@@ -1092,3 +1092,22 @@ fn a_black_holed_path_gets_no_new_packets_within_three_rtts_of_its_first_loss() 
         }
     });
 }
+
+#[test]
+fn a_cts_lost_on_a_dead_path_costs_no_retransmission_timeout() {
+    // Every other path from the receiver back to the sender is dead from the start (a failed link on
+    // the way back): a CTS that took one of them alone would wait out the initial RTO before its
+    // resend. Each CTS goes out twice on two paths, so every receive of the mix is announced at once.
+    seeded(41, |seed| {
+        let cfg = ProtoConfig::default();
+        let back = Link { dead: (0..cfg.n_paths).filter(|e| e % 2 == 0).collect(), ..Link::default() };
+        let mut sim = Sim::new(seed, &cfg, [Link::default(), back]);
+        let posted = post(&mut sim, &mix());
+        sim.run_until(60_000_000, |s| all_done(s, &posted));
+        verify(&sim, &posted);
+        let rx = sim.stats(B);
+        assert!(rx.cts_sent >= 5, "the mix posts five grouped receives: {} CTS", rx.cts_sent);
+        assert_eq!(rx.cts_retransmitted, 0, "a CTS was lost on a dead path and resent after its timeout");
+        assert_eq!(rx.cts_copies, rx.cts_sent + rx.cts_retransmitted, "every CTS goes out twice");
+    });
+}
