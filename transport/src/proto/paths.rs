@@ -139,6 +139,12 @@ impl Paths {
         (proven >= MIN_PROVEN_PATHS).then_some(since)
     }
 
+    /// The start of the failure episode going on, however few paths were proven since: a
+    /// retransmission keeps to those (it must not be lost again), even where new packets may not yet.
+    pub(crate) fn episode_start(&self) -> Option<Micros> {
+        self.episode_since
+    }
+
     pub(crate) fn fitness(&self, e: u16, episode: Option<Micros>) -> Fitness {
         let p = &self.list[e as usize];
         match p.health {
@@ -252,9 +258,10 @@ impl Paths {
 
     /// Transmission `tx_seq` on alive path `e` is overdue while later packets on other paths arrived:
     /// suspect (avoided and probed) unless the path delivered a later packet of its own.
-    pub(crate) fn overdue(&mut self, e: u16, tx_seq: u64, now: Micros, ps: &mut [PathStats]) {
+    pub(crate) fn overdue(&mut self, e: u16, tx_seq: u64, sent_at: Micros, now: Micros, ps: &mut [PathStats]) {
         let p = &self.list[e as usize];
         if p.health == PathHealth::Alive && p.delivered_tx_end <= tx_seq {
+            self.blamed_sent_at = Some(sent_at);
             self.set_health(e, PathHealth::Suspect, now, ps);
         }
     }
@@ -309,7 +316,10 @@ impl Paths {
                 // A failing spine takes many entropies at once and a spraying connection finds each
                 // only by losing a packet on it: from the first suspicion on, new packets keep to paths
                 // proven since (shortly before) it.
-                let since = self.blamed_sent_at.unwrap_or(now.saturating_sub(p.rtt.rto_us()));
+                // (Taken, like the dead case: a packet blamed long ago, whose loss changed no state,
+                // must not date a later failure; from then on every path that delivered anything
+                // looked proven, dead ones included.)
+                let since = self.blamed_sent_at.take().unwrap_or(now.saturating_sub(p.rtt.rto_us()));
                 self.episode_since.get_or_insert(since);
                 p.bad_since = now;
                 p.probe_failures = 0;
@@ -406,6 +416,7 @@ impl Paths {
                         p.probe_failures += 1;
                         if p.probe_failures >= SUSPECT_PROBES {
                             tracing::debug!(entropy = e, "probes of a suspect path unanswered");
+                            self.blamed_sent_at = None;
                             self.set_health(e, PathHealth::Dead, now, ps);
                         } else {
                             p.probe = Probe::Due;

@@ -365,7 +365,7 @@ impl Connection {
         let path_rto = self.paths.get(entropy).rtt.rto_us();
         let blame = sent_at >= self.tx.exempt_before && self.tx.acked_sent_at <= sent_at.saturating_add(path_rto);
         if blame {
-            self.paths.overdue(entropy, tx_seq, now, &mut self.stats.paths);
+            self.paths.overdue(entropy, tx_seq, sent_at, now, &mut self.stats.paths);
         }
     }
 

@@ -134,7 +134,7 @@ impl Connection {
         if n == 1 {
             return first;
         }
-        let episode = self.paths.episode();
+        let episode = if retransmit { self.paths.episode_start() } else { self.paths.episode() };
         let checked = self.paths.any_bad() || episode.is_some();
         if Some(first) != avoid && (!checked || self.paths.fitness(first, episode) == Fitness::Good) {
             return first;
