@@ -49,19 +49,23 @@ pub enum Event {
     Sample,
 }
 
-/// Bits of time per digit of the radix heap: 64 slots per level, so one word marks a level's busy slots.
-const DIGIT_BITS: u32 = 6;
+/// Bits of time per digit of the radix heap: 256 slots per level, marked busy in four words. A packet's
+/// next hop (0.5 µs ahead) lands two levels up and a protocol timer (50 µs and more) three, so an
+/// item moves two or three times (with 6-bit digits, three or four).
+const DIGIT_BITS: u32 = 8;
 /// Slots per level (one per digit value).
 const SLOTS: usize = 1 << DIGIT_BITS;
-/// Levels: 64-bit times in 6-bit digits need 11; 16 keeps indices maskable.
-const LEVELS: usize = 16;
+/// Words of a level's busy-slot bitmap.
+const WORDS: usize = SLOTS / 64;
+/// Levels: 64-bit times in 8-bit digits.
+const LEVELS: usize = 8;
 
-/// A monotone radix heap with 6-bit digits (a hierarchical timing wheel): keys (times) never go below
+/// A monotone radix heap with 8-bit digits (a hierarchical timing wheel): keys (times) never go below
 /// the last one popped (`last`), and an item sits in the slot (level `l`, digit `d`) where `l` is the
 /// highest digit in which its time differs from `last` and `d` is its time's digit there. Level 0
 /// slots therefore hold one exact time each and are consumed front to back; when level 0 is empty, the
 /// lowest non-empty slot above is emptied into lower levels around its earliest time. An item moves
-/// at most once per level (three or four times for the spans a run has), pushes are O(1), and the
+/// at most once per level (two or three times for the spans a run has), pushes are O(1), and the
 /// next non-empty slot is found with bit masks. Items with equal times come out in the order they were
 /// pushed (equal times always share a slot, and redistribution keeps insertion order), which keeps runs
 /// deterministic and same-instant events in scheduling order.
@@ -70,8 +74,8 @@ pub struct EventQueue {
     last: Ps,
     /// `LEVELS × SLOTS` slots, level-major (a power of two: indices are masked, not bounds-checked).
     slots: Box<[Vec<(Ps, Event)>; LEVELS * SLOTS]>,
-    /// Per level, bit `d` set: slot `d` holds items.
-    bits: [u64; LEVELS],
+    /// Per level, bit `d % 64` of word `d / 64` set: slot `d` holds items.
+    bits: [[u64; WORDS]; LEVELS],
     /// Bit `l` set: level `l` may hold items.
     levels: u32,
     /// Items already popped from the current level-0 slot (the one of `last`).
@@ -82,7 +86,15 @@ pub struct EventQueue {
 
 impl Default for EventQueue {
     fn default() -> Self {
-        Self { last: 0, slots: Box::new(std::array::from_fn(|_| Vec::new())), bits: [0; LEVELS], levels: 0, head: 0, len: 0, popped: 0 }
+        Self {
+            last: 0,
+            slots: Box::new(std::array::from_fn(|_| Vec::new())),
+            bits: [[0; WORDS]; LEVELS],
+            levels: 0,
+            head: 0,
+            len: 0,
+            popped: 0,
+        }
     }
 }
 
@@ -105,22 +117,22 @@ impl EventQueue {
     fn put(&mut self, at: Ps, ev: Event) {
         let (l, d) = slot_of(at, self.last);
         self.slots[(l * SLOTS + d) & (LEVELS * SLOTS - 1)].push((at, ev));
-        self.bits[l & (LEVELS - 1)] |= 1 << d;
+        self.bits[l & (LEVELS - 1)][(d / 64) & (WORDS - 1)] |= 1 << (d % 64);
         self.levels |= 1 << l;
     }
 
     /// The lowest set digit of level `l`, if any.
     #[inline]
     fn first_digit(&self, l: usize) -> Option<usize> {
-        let w = self.bits[l & (LEVELS - 1)];
-        (w != 0).then(|| w.trailing_zeros() as usize)
+        let words = &self.bits[l & (LEVELS - 1)];
+        (0..WORDS).find(|&i| words[i] != 0).map(|i| i * 64 + words[i].trailing_zeros() as usize)
     }
 
     #[inline]
     fn clear_bit(&mut self, l: usize, d: usize) {
         let bits = &mut self.bits[l & (LEVELS - 1)];
-        *bits &= !(1 << d);
-        if *bits == 0 {
+        bits[(d / 64) & (WORDS - 1)] &= !(1 << (d % 64));
+        if bits.iter().all(|&w| w == 0) {
             self.levels &= !(1 << l);
         }
     }

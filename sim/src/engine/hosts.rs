@@ -359,9 +359,10 @@ impl Sim {
             if h.eps[ep as usize].timer_at.is_none_or(|t| t > horizon) {
                 self.rearm(ep);
             }
+            let wire_bytes = pkt.meta.wire_bytes;
             let id = self.net.pool.alloc(pkt);
             self.metrics.created += 1;
-            self.start_tx(port, id);
+            self.start_tx(port, id, wire_bytes);
             return;
         }
     }
