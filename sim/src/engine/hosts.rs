@@ -7,7 +7,7 @@ use std::sync::{Arc, Mutex};
 
 use prism_lb::{CcKind, FlowInfo, LbConfig, LbRuntime, MessageSample};
 use prism_transport::proto::{Completion, Connection, MsgId, NoPlacement, PayloadSource, ProtoConfig, RecvSpec};
-use prism_transport::wire::{self, DataPacket, Header, PacketType, DATA_HEADER_LEN};
+use prism_transport::wire::{self, data::FLAG_CE, DataPacket, Header, PacketType, DATA_HEADER_LEN};
 
 use super::Sim;
 use crate::events::{Event, Ps, PS_PER_US};
@@ -349,6 +349,7 @@ impl Sim {
                     wire_bytes: (len + self.net.overhead) as u32,
                     entropy: t.entropy,
                     data,
+                    ce: false,
                 },
                 body: PacketBody { dgram_len: len as u32, hdr_len: hdr_len as u8, hdr },
             };
@@ -370,7 +371,7 @@ impl Sim {
     /// Packet `pkt` reached its destination NIC: hand it to the connection end its token names.
     pub(super) fn deliver(&mut self, pkt: u32) {
         self.metrics.delivered += 1;
-        let (dst_nic, data) = (self.net.pool.get(pkt).dst_nic, self.net.pool.get(pkt).data);
+        let &PacketMeta { dst_nic, data, ce, .. } = self.net.pool.get(pkt);
         let h = &mut self.hosts;
         let p = self.net.pool.body(pkt);
         let ep = wire::peek_token(p.hdr_bytes())
@@ -383,6 +384,12 @@ impl Sim {
         let ep = ep as u32;
         let len = p.dgram_len as usize;
         h.rxbuf[..p.hdr_bytes().len()].copy_from_slice(p.hdr_bytes());
+        if ce {
+            // The mark a switch made on the way (the DATA header is kept whole).
+            let mut hdr = Header::new_unchecked(&mut h.rxbuf[..p.hdr_bytes().len()]);
+            let flags = hdr.flags();
+            hdr.set_flags(flags | FLAG_CE);
+        }
         if data {
             let psn = DataPacket::new_unchecked(p.hdr_bytes()).psn();
             let e = &mut h.eps[ep as usize];

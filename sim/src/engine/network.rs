@@ -1,8 +1,6 @@
 //! The network part of a run: packets crossing the fabric's ports (serialisation, propagation, FIFO
 //! queues with tail drop and ECN marking, failed links) and the scenario's scheduled link changes.
 
-use prism_transport::wire::{data::FLAG_CE, Header};
-
 use super::Sim;
 use crate::events::{Event, Ps, PS_PER_US};
 use crate::fabric::{Fabric, PacketPool};
@@ -122,10 +120,8 @@ impl Sim {
             return;
         }
         if p.ecn_bytes > 0 && p.queued_bytes >= p.ecn_bytes && self.net.pool.get(pkt).data {
-            // The switch flips the CE flag in the Prism header (the DATA header is kept whole).
-            let mut h = Header::new_unchecked(self.net.pool.body_mut(pkt).hdr_bytes_mut());
-            let flags = h.flags();
-            h.set_flags(flags | FLAG_CE);
+            // The switch flips the CE flag in the Prism header, written at delivery (`PacketMeta::ce`).
+            self.net.pool.get_mut(pkt).ce = true;
             p.stats.ecn_marks += 1;
         }
         p.queue.push_back((pkt, wire_bytes));
