@@ -24,7 +24,7 @@ use prism_lb::LbConfig;
 use prism_transport::proto::ProtoConfig;
 use rand::{rngs::SmallRng, SeedableRng};
 
-use crate::events::{Event, EventQueue, Ps, PS_PER_US};
+use crate::events::{Event, EventQueue, Ps, MAX_PORTS, PS_PER_US};
 use crate::fabric::{Fabric, PacketPool};
 use crate::scenario::{invalid, Scenario, ScenarioError, SchemeSpec};
 use crate::workload;
@@ -54,6 +54,9 @@ impl Sim {
     pub fn new(sc: &Scenario, scheme: &SchemeSpec, size: Option<u64>, with_failures: bool, seed: u64) -> Result<Self, ScenarioError> {
         let cfg = LbConfig::from_vars(&scheme.vars).map_err(|source| ScenarioError::Lb { scheme: scheme.name.clone(), source })?;
         let fab = Fabric::new(&sc.topology, &sc.link, scheme.switch, scheme.flowlet_gap_us, seed)?;
+        if fab.ports.len() > MAX_PORTS {
+            return Err(invalid("topology", format!("{} ports; the event queue names at most {MAX_PORTS}", fab.ports.len())));
+        }
         let topo = fab.lb_topology()?;
         let runtimes = (0..fab.hosts)
             .map(|h| {
