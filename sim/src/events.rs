@@ -255,6 +255,12 @@ impl EventQueue {
         Some(())
     }
 
+    /// The event `pop` will return next, if it is already in the current window (the usual case).
+    #[inline]
+    pub fn peek_near(&self) -> Option<Event> {
+        self.near.get(self.head).map(|e| e.1.get())
+    }
+
     /// Events waiting.
     pub fn len(&self) -> usize {
         self.len

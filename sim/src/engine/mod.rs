@@ -149,6 +149,7 @@ impl Sim {
                 break;
             }
             self.now = t;
+            self.touch_next();
             self.dispatch(ev);
             if let Some(pb) = &self.progress {
                 let n = self.q.processed();
@@ -165,6 +166,29 @@ impl Sim {
         }
         let wall_s = wall.elapsed().as_secs_f64();
         self.report(size, failures, bound, wall_s)
+    }
+
+    /// Read what the next event will need first (its port, its packet, the header of a packet reaching
+    /// a host, an endpoint's timer) before handling this one, so that those memory fetches overlap with
+    /// this event's work instead of stalling the next (a 128-host 256 KiB all-to-all took about 3% less
+    /// user CPU time, lower in 11 of 12 alternating pairs of runs). Reads only: nothing the run computes
+    /// depends on them.
+    #[inline]
+    fn touch_next(&self) {
+        match self.q.peek_near() {
+            Some(Event::Arrive { pkt, port }) => {
+                let to = self.net.fab.ports[port as usize].to;
+                std::hint::black_box((to, self.net.pool.get(pkt).dst_nic));
+                if self.net.fab.tier(to) == 0 {
+                    std::hint::black_box(self.net.pool.body(pkt).hdr[0]);
+                }
+            }
+            Some(Event::PortFree { port }) => {
+                std::hint::black_box(self.net.fab.ports[port as usize].queued_bytes);
+            }
+            Some(Event::Timer { ep }) => self.hosts.touch(ep),
+            _ => {}
+        }
     }
 
     fn dispatch(&mut self, ev: Event) {
