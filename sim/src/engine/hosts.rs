@@ -7,7 +7,7 @@ use std::sync::{Arc, Mutex};
 
 use prism_lb::{CcKind, FlowInfo, LbConfig, LbRuntime, MessageSample};
 use prism_transport::proto::{Completion, Connection, MsgId, NoPlacement, PayloadSource, ProtoConfig, RecvSpec};
-use prism_transport::wire::{self, DataPacket, Header, PacketType, DATA_HEADER_LEN};
+use prism_transport::wire::{self, data::FLAG_CE, DataPacket, Header, PacketType, DATA_HEADER_LEN};
 
 use super::Sim;
 use crate::events::{Event, Ps, PS_PER_US};
@@ -29,9 +29,10 @@ impl PayloadSource for NoPayload {
     fn read(&mut self, _msg: MsgId, _offset: u64, _out: &mut [u8]) {}
 }
 
-/// One end of a connection, on one NIC.
+/// What the simulator keeps about one end of a connection, on one NIC. Kept apart from the end's
+/// `Connection` (in [`Hosts::conns`], same index): stale timers, deliveries and the NICs' round-robin
+/// read only these few bytes, which stay in cache, instead of a line of a large connection.
 pub(super) struct Endpoint {
-    conn: Connection,
     nic: u32,
     peer_nic: u32,
     pair: u32,
@@ -74,6 +75,10 @@ pub(super) struct Hosts {
     proto: ProtoConfig,
     pub(super) runtimes: Vec<LbRuntime>,
     pub(super) eps: Vec<Endpoint>,
+    /// `conns[i]`: endpoint `i`'s protocol state.
+    conns: Vec<Connection>,
+    /// Pairs carry a per-packet AIMD window (the scheme's rate mode; every pair or none).
+    aimd: bool,
     pub(super) pairs: Vec<Pair>,
     /// (src, dst, rail, dst rail, pinned uplink or `u32::MAX`) → pair.
     pair_index: HashMap<(u32, u32, u16, u16, u32), u32>,
@@ -94,10 +99,12 @@ impl Hosts {
     ) -> Self {
         Self {
             cfg,
+            aimd: scheme.rate == RateMode::PacketAimd,
             scheme,
             proto,
             runtimes,
             eps: Vec::new(),
+            conns: Vec::new(),
             pairs: Vec::new(),
             pair_index: HashMap::new(),
             ready: vec![VecDeque::new(); nics],
@@ -106,9 +113,15 @@ impl Hosts {
         }
     }
 
+    /// Read endpoint `ep`'s timer (see `Sim::touch_next`).
+    #[inline]
+    pub(super) fn touch(&self, ep: u32) {
+        std::hint::black_box(self.eps[ep as usize].timer_at);
+    }
+
     /// Every connection end, for the protocol counters.
     pub(super) fn connections(&self) -> impl Iterator<Item = &Connection> {
-        self.eps.iter().map(|e| &e.conn)
+        self.conns.iter()
     }
 }
 
@@ -140,20 +153,13 @@ impl Sim {
         let src_nic = src * rails + rail as u32;
         let dst_nic = dst * rails + dst_rail as u32;
         let now_us = self.now / PS_PER_US;
-        let end = |conn, nic, peer_nic, sender| Endpoint {
-            conn,
-            nic,
-            peer_nic,
-            pair: idx,
-            sender,
-            timer_at: None,
-            in_ready: false,
-            max_psn: None,
-        };
+        let end = |nic, peer_nic, sender| Endpoint { nic, peer_nic, pair: idx, sender, timer_at: None, in_ready: false, max_psn: None };
         let send = Connection::new(h.proto.clone(), TOKEN_BASE + es as u64, TOKEN_BASE + er as u64, send_policy, now_us);
-        h.eps.push(end(send, src_nic, dst_nic, true));
+        h.conns.push(send);
+        h.eps.push(end(src_nic, dst_nic, true));
         let recv = Connection::new(h.proto.clone(), TOKEN_BASE + er as u64, TOKEN_BASE + es as u64, recv_policy, now_us);
-        h.eps.push(end(recv, dst_nic, src_nic, false));
+        h.conns.push(recv);
+        h.eps.push(end(dst_nic, src_nic, false));
         h.pairs.push(Pair {
             ep_send: es,
             ep_recv: er,
@@ -180,8 +186,7 @@ impl Sim {
             let Some(piece) = p.pending_recv.front().copied() else {
                 break;
             };
-            let ep = &mut h.eps[p.ep_recv as usize];
-            match ep.conn.post_recv(&[RecvSpec { len: piece.bytes, tag: 0 }], now_us) {
+            match h.conns[p.ep_recv as usize].post_recv(&[RecvSpec { len: piece.bytes, tag: 0 }], now_us) {
                 Ok(id) => {
                     p.pending_recv.pop_front();
                     p.posted_recv.push_back((id, piece.transfer, piece.bytes));
@@ -224,8 +229,7 @@ impl Sim {
                     break;
                 }
             }
-            let ep = &mut h.eps[p.ep_send as usize];
-            match ep.conn.post_send(piece.bytes, 0, now_us) {
+            match h.conns[p.ep_send as usize].post_send(piece.bytes, 0, now_us) {
                 Ok(id) => {
                     p.pending_send.pop_front();
                     p.posted_send.push_back((id, piece.bytes, now));
@@ -249,7 +253,7 @@ impl Sim {
         if self.hosts.eps[ep as usize].timer_at == Some(self.now) {
             self.hosts.eps[ep as usize].timer_at = None;
             let now_us = self.now_us();
-            self.hosts.eps[ep as usize].conn.handle_timeout(now_us);
+            self.hosts.conns[ep as usize].handle_timeout(now_us);
             self.after_ep(ep);
         }
     }
@@ -257,7 +261,7 @@ impl Sim {
     /// After anything happened to endpoint `ep`: handle its completions, re-arm its timer, and make sure
     /// its NIC will ask it for datagrams.
     fn after_ep(&mut self, ep: u32) {
-        while let Some(c) = self.hosts.eps[ep as usize].conn.poll_completion() {
+        while let Some(c) = self.hosts.conns[ep as usize].poll_completion() {
             self.on_completion(ep, c);
         }
         self.rearm(ep);
@@ -275,7 +279,7 @@ impl Sim {
 
     fn rearm(&mut self, ep: u32) {
         let e = &mut self.hosts.eps[ep as usize];
-        if let Some(us) = e.conn.poll_timeout() {
+        if let Some(us) = self.hosts.conns[ep as usize].poll_timeout() {
             let at = (us * PS_PER_US).max(self.now);
             if e.timer_at.is_none_or(|x| at < x) {
                 e.timer_at = Some(at);
@@ -320,10 +324,11 @@ impl Sim {
         let h = &mut self.hosts;
         while let Some(ep) = h.ready[nic as usize].pop_front() {
             let e = &mut h.eps[ep as usize];
-            if e.sender {
+            let conn = &mut h.conns[ep as usize];
+            if h.aimd && e.sender {
                 if let Some(a) = &h.pairs[e.pair as usize].aimd {
                     let cwnd = locked(a).window_pkts();
-                    let in_flight: u32 = e.conn.stats().paths.iter().map(|p| p.in_flight).sum();
+                    let in_flight: u32 = conn.stats().paths.iter().map(|p| p.in_flight).sum();
                     if in_flight >= cwnd {
                         // Woken again by the next acknowledgement.
                         e.in_ready = false;
@@ -331,7 +336,7 @@ impl Sim {
                     }
                 }
             }
-            let Some(t) = e.conn.poll_transmit(now_us, &mut NoPayload, &mut h.txbuf) else {
+            let Some(t) = conn.poll_transmit(now_us, &mut NoPayload, &mut h.txbuf) else {
                 e.in_ready = false;
                 continue;
             };
@@ -350,6 +355,7 @@ impl Sim {
                     wire_bytes: (len + self.net.overhead) as u32,
                     entropy: t.entropy,
                     data,
+                    ce: false,
                 },
                 body: PacketBody { dgram_len: len as u32, hdr_len: hdr_len as u8, hdr },
             };
@@ -360,9 +366,10 @@ impl Sim {
             if h.eps[ep as usize].timer_at.is_none_or(|t| t > horizon) {
                 self.rearm(ep);
             }
+            let wire_bytes = pkt.meta.wire_bytes;
             let id = self.net.pool.alloc(pkt);
             self.metrics.created += 1;
-            self.start_tx(port, id);
+            self.start_tx(port, id, wire_bytes);
             return;
         }
     }
@@ -370,7 +377,7 @@ impl Sim {
     /// Packet `pkt` reached its destination NIC: hand it to the connection end its token names.
     pub(super) fn deliver(&mut self, pkt: u32) {
         self.metrics.delivered += 1;
-        let (dst_nic, data) = (self.net.pool.get(pkt).dst_nic, self.net.pool.get(pkt).data);
+        let &PacketMeta { dst_nic, data, ce, .. } = self.net.pool.get(pkt);
         let h = &mut self.hosts;
         let p = self.net.pool.body(pkt);
         let ep = wire::peek_token(p.hdr_bytes())
@@ -383,6 +390,12 @@ impl Sim {
         let ep = ep as u32;
         let len = p.dgram_len as usize;
         h.rxbuf[..p.hdr_bytes().len()].copy_from_slice(p.hdr_bytes());
+        if ce {
+            // The mark a switch made on the way (the DATA header is kept whole).
+            let mut hdr = Header::new_unchecked(&mut h.rxbuf[..p.hdr_bytes().len()]);
+            let flags = hdr.flags();
+            hdr.set_flags(flags | FLAG_CE);
+        }
         if data {
             let psn = DataPacket::new_unchecked(p.hdr_bytes()).psn();
             let e = &mut h.eps[ep as usize];
@@ -396,8 +409,7 @@ impl Sim {
         }
         self.net.pool.release(pkt);
         let now_us = self.now_us();
-        let e = &mut self.hosts.eps[ep as usize];
-        e.conn.handle_datagram(&self.hosts.rxbuf[..len], now_us, &mut NoPlacement);
+        self.hosts.conns[ep as usize].handle_datagram(&self.hosts.rxbuf[..len], now_us, &mut NoPlacement);
         self.after_ep(ep);
         // An acknowledgement may open the window of a gated sender or the MCC window of its pair.
         if self.hosts.eps[ep as usize].sender {

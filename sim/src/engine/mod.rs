@@ -24,7 +24,7 @@ use prism_lb::LbConfig;
 use prism_transport::proto::ProtoConfig;
 use rand::{rngs::SmallRng, SeedableRng};
 
-use crate::events::{Event, EventQueue, Ps, PS_PER_US};
+use crate::events::{Event, EventQueue, Ps, MAX_PORTS, PS_PER_US};
 use crate::fabric::{Fabric, PacketPool};
 use crate::scenario::{invalid, Scenario, ScenarioError, SchemeSpec};
 use crate::workload;
@@ -54,6 +54,9 @@ impl Sim {
     pub fn new(sc: &Scenario, scheme: &SchemeSpec, size: Option<u64>, with_failures: bool, seed: u64) -> Result<Self, ScenarioError> {
         let cfg = LbConfig::from_vars(&scheme.vars).map_err(|source| ScenarioError::Lb { scheme: scheme.name.clone(), source })?;
         let fab = Fabric::new(&sc.topology, &sc.link, scheme.switch, scheme.flowlet_gap_us, seed)?;
+        if fab.ports.len() > MAX_PORTS {
+            return Err(invalid("topology", format!("{} ports; the event queue names at most {MAX_PORTS}", fab.ports.len())));
+        }
         let topo = fab.lb_topology()?;
         let runtimes = (0..fab.hosts)
             .map(|h| {
@@ -146,6 +149,7 @@ impl Sim {
                 break;
             }
             self.now = t;
+            self.touch_next();
             self.dispatch(ev);
             if let Some(pb) = &self.progress {
                 let n = self.q.processed();
@@ -162,6 +166,29 @@ impl Sim {
         }
         let wall_s = wall.elapsed().as_secs_f64();
         self.report(size, failures, bound, wall_s)
+    }
+
+    /// Read what the next event will need first (its port, its packet, the header of a packet reaching
+    /// a host, an endpoint's timer) before handling this one, so that those memory fetches overlap with
+    /// this event's work instead of stalling the next (a 128-host 256 KiB all-to-all took about 3% less
+    /// user CPU time, lower in 11 of 12 alternating pairs of runs). Reads only: nothing the run computes
+    /// depends on them.
+    #[inline]
+    fn touch_next(&self) {
+        match self.q.peek_near() {
+            Some(Event::Arrive { pkt, port }) => {
+                let to = self.net.fab.ports[port as usize].to;
+                std::hint::black_box((to, self.net.pool.get(pkt).dst_nic));
+                if self.net.fab.tier(to) == 0 {
+                    std::hint::black_box(self.net.pool.body(pkt).hdr[0]);
+                }
+            }
+            Some(Event::PortFree { port }) => {
+                std::hint::black_box(self.net.fab.ports[port as usize].queued_bytes);
+            }
+            Some(Event::Timer { ep }) => self.hosts.touch(ep),
+            _ => {}
+        }
     }
 
     fn dispatch(&mut self, ev: Event) {

@@ -1,8 +1,6 @@
 //! The network part of a run: packets crossing the fabric's ports (serialisation, propagation, FIFO
 //! queues with tail drop and ECN marking, failed links) and the scenario's scheduled link changes.
 
-use prism_transport::wire::{data::FLAG_CE, Header};
-
 use super::Sim;
 use crate::events::{Event, Ps, PS_PER_US};
 use crate::fabric::{Fabric, PacketPool};
@@ -73,8 +71,8 @@ impl Sim {
     /// Put `pkt` on the wire of idle port `port`. A NIC's port always gets a `PortFree` (to pull the
     /// next datagram); a switch port only when packets wait behind this one, so an uncongested hop costs
     /// one event.
-    pub(super) fn start_tx(&mut self, port: u32, pkt: u32) {
-        let bytes = self.net.pool.get(pkt).wire_bytes;
+    /// `bytes` is the packet's `wire_bytes`.
+    pub(super) fn start_tx(&mut self, port: u32, pkt: u32, bytes: u32) {
         let p = &mut self.net.fab.ports[port as usize];
         let ser = p.ser_ps(bytes);
         p.free_at = self.now + ser;
@@ -91,10 +89,9 @@ impl Sim {
     pub(super) fn on_port_free(&mut self, port: u32) {
         let p = &mut self.net.fab.ports[port as usize];
         p.free_pending = false;
-        if let Some(next) = p.queue.pop_front() {
-            let b = self.net.pool.get(next).wire_bytes as u64;
-            p.queued_bytes -= b;
-            self.start_tx(port, next);
+        if let Some((next, bytes)) = p.queue.pop_front() {
+            p.queued_bytes -= bytes as u64;
+            self.start_tx(port, next, bytes);
         } else if let Some(nic) = p.nic {
             self.nic_pull(nic);
         }
@@ -111,24 +108,23 @@ impl Sim {
             self.net.pool.release(pkt);
             return;
         }
+        let wire_bytes = self.net.pool.get(pkt).wire_bytes;
         if p.free_at <= self.now && p.queue.is_empty() {
-            self.start_tx(port, pkt);
+            self.start_tx(port, pkt, wire_bytes);
             return;
         }
-        let bytes = self.net.pool.get(pkt).wire_bytes as u64;
+        let bytes = wire_bytes as u64;
         if p.queued_bytes + bytes > p.buffer_bytes {
             p.stats.drops_overflow += 1;
             self.net.pool.release(pkt);
             return;
         }
         if p.ecn_bytes > 0 && p.queued_bytes >= p.ecn_bytes && self.net.pool.get(pkt).data {
-            // The switch flips the CE flag in the Prism header (the DATA header is kept whole).
-            let mut h = Header::new_unchecked(self.net.pool.body_mut(pkt).hdr_bytes_mut());
-            let flags = h.flags();
-            h.set_flags(flags | FLAG_CE);
+            // The switch flips the CE flag in the Prism header, written at delivery (`PacketMeta::ce`).
+            self.net.pool.get_mut(pkt).ce = true;
             p.stats.ecn_marks += 1;
         }
-        p.queue.push_back(pkt);
+        p.queue.push_back((pkt, wire_bytes));
         p.queued_bytes += bytes;
         p.stats.max_queue = p.stats.max_queue.max(p.queued_bytes);
         if !p.free_pending {

@@ -68,8 +68,9 @@ pub struct Port {
     pub buffer_bytes: u64,
     /// ECN threshold, bytes (0: off).
     pub ecn_bytes: u64,
-    /// Packets waiting (the one being serialised is not in the queue).
-    pub queue: VecDeque<u32>,
+    /// Packets waiting (the one being serialised is not in the queue) with their wire bytes, so a port
+    /// sends its next packet without reading the packet itself.
+    pub queue: VecDeque<(u32, u32)>,
     /// Bytes waiting.
     pub queued_bytes: u64,
     /// When the packet being serialised (if any) has left: the port is idle from then on.

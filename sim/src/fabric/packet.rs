@@ -18,6 +18,10 @@ pub struct PacketMeta {
     pub entropy: u16,
     /// True for DATA packets (OFAN keeps separate pointers for data and acknowledgements).
     pub data: bool,
+    /// A switch marked the packet Congestion Experienced. The flag is written into the header's bytes
+    /// when the packet is delivered (the header is not read before), so a marking switch touches only
+    /// these 16 bytes.
+    pub ce: bool,
 }
 
 /// The packet's wire bytes up to the payload, exactly as the sending connection wrote them (the
@@ -37,12 +41,6 @@ impl PacketBody {
     #[inline]
     pub fn hdr_bytes(&self) -> &[u8] {
         &self.hdr[..self.hdr_len as usize]
-    }
-
-    /// The valid header bytes, mutable (ECN marking).
-    #[inline]
-    pub fn hdr_bytes_mut(&mut self) -> &mut [u8] {
-        &mut self.hdr[..self.hdr_len as usize]
     }
 }
 
@@ -99,10 +97,10 @@ impl PacketPool {
         &self.bodies[i as usize]
     }
 
-    /// The header bytes of packet `i`, mutable (ECN marking).
+    /// The fabric's view of packet `i`, mutable (ECN marking).
     #[inline]
-    pub fn body_mut(&mut self, i: u32) -> &mut PacketBody {
-        &mut self.bodies[i as usize]
+    pub fn get_mut(&mut self, i: u32) -> &mut PacketMeta {
+        &mut self.metas[i as usize]
     }
 
     /// Packets alive now (allocated and not released).
