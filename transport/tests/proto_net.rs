@@ -1111,3 +1111,22 @@ fn a_cts_lost_on_a_dead_path_costs_no_retransmission_timeout() {
         assert_eq!(rx.cts_copies, rx.cts_sent + rx.cts_retransmitted, "every CTS goes out twice");
     });
 }
+
+#[test]
+fn a_one_packet_send_completes_in_a_round_trip_not_after_the_sack_delay() {
+    // NCCL's small messages (LL, a few bytes to 8 KiB) are one packet each. The send completes when
+    // the packet is acknowledged, and nothing comes after it to trigger a SACK: the receiver must
+    // acknowledge a message's last packet at once, not after its SACK delay (here 10 ms, so that
+    // waiting for it cannot go unnoticed; the link is 5 µs each way).
+    seeded(45, |seed| {
+        let cfg = ProtoConfig { sack_delay_us: 10_000, ..ProtoConfig::default() };
+        let mut sim = Sim::new(seed, &cfg, [Link::default(), Link::default()]);
+        let msgs = [m(8, 8, 1), m(4096, 4096, 2), m(2 * 8192, 2 * 8192, 3)];
+        let posted = post(&mut sim, &[msgs[..1].to_vec(), msgs[1..2].to_vec(), msgs[2..].to_vec()]);
+        sim.run_until(1_000_000, |s| all_done(s, &posted));
+        verify(&sim, &posted);
+        let last_send = sim.ends[A].done.iter().map(|(t, _)| *t).max().expect("sends completed");
+        assert!(last_send < 1_000, "the last send completed at {last_send} µs, after the SACK delay");
+        assert_eq!(sim.stats(A).retransmissions, 0);
+    });
+}

@@ -19,8 +19,8 @@
 //!   resends a CTS on a timer with backoff until it is acknowledged.
 //! - **Selective repeat.** PSNs are per connection and 64-bit (they never wrap). The receiver keeps an
 //!   out-of-order window of [`OOO_WINDOW_PKTS`] PSNs and sends SACKs (cumulative PSN, 256-PSN bitmap,
-//!   echo of the triggering packet's entropy and timestamp) on a gap, a duplicate, a filled hole, every
-//!   `sack_every_pkts` packets or after `sack_delay_us`. The sender declares a packet lost once
+//!   echo of the triggering packet's entropy and timestamp) on a gap, a duplicate, a filled hole, a
+//!   message's last packet, every `sack_every_pkts` packets or after `sack_delay_us`. The sender declares a packet lost once
 //!   `reorder_threshold` later *transmissions* were acknowledged (for first copies that is the PSN
 //!   distance; retransmissions keep their PSN), or when its path's RTO expires, and resends it on
 //!   another path. A duplicate of a resent packet is reported back and widens the threshold.

@@ -298,9 +298,13 @@ impl Connection {
         rx.spurious = false;
         rx.congested |= d.ce;
         rx.unsacked += 1;
-        // A new hole or a filled one changes what the sender must retransmit: report at once.
+        // A new hole or a filled one changes what the sender must retransmit: report at once. So
+        // does a message's last packet: its send completes only when acknowledged, and nothing
+        // after it may come to trigger a SACK (a one-packet message waited out the delay, on a
+        // driver that progresses an idle comm only now and then up to a millisecond).
         let reordered = d.psn != end_before;
-        if reordered || rx.unsacked >= self.cfg.sack_every_pkts {
+        let tail = d.offset.saturating_add(u64::from(d.len)) >= d.total_len;
+        if reordered || tail || rx.unsacked >= self.cfg.sack_every_pkts {
             rx.sack_due = true;
         } else if rx.sack_deadline.is_none() {
             rx.sack_deadline = Some(now.saturating_add(self.cfg.sack_delay_us));
