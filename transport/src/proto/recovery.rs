@@ -425,7 +425,11 @@ impl Connection {
         if self.tx.in_flight == 0 || self.tx.tlp_count > TLP_MAX_BACKOFF {
             return None;
         }
+        // Two smoothed RTTs, plus the receiver's SACK delay unless the last packet sent ended a
+        // message (acknowledged at once: a one-packet message's loss costs 2 SRTTs, not 2 SRTTs and
+        // the delay).
         let pto = match self.ctl_rtt.srtt_us() {
+            Some(srtt) if self.tx.tail_last => 2 * srtt,
             Some(srtt) => 2 * srtt + self.cfg.sack_delay_us,
             None => self.ctl_rtt.rto_us(),
         };

@@ -122,6 +122,8 @@ pub(crate) struct TxState {
     /// Probes sent since the last acknowledgement.
     pub(crate) tlp_count: u32,
     pub(crate) tlp_due: bool,
+    /// The last DATA packet sent was a message's last: the receiver acknowledges it at once.
+    pub(crate) tail_last: bool,
     /// Transmission sequence number of the last tail-loss probe.
     pub(crate) tlp_tx_seq: Option<u64>,
     /// A timeout fired while the peer was silent: a stall is going on.
@@ -172,6 +174,7 @@ impl TxState {
             tlp_base: 0,
             tlp_count: 0,
             tlp_due: false,
+            tail_last: false,
             tlp_tx_seq: None,
             stalled: false,
             exempt_before: 0,

@@ -77,6 +77,7 @@ impl Connection {
         rec.sent_at = now;
         rec.tx_seq = tx_seq;
         rec.resent |= retx;
+        self.tx.tail_last = old.offset + u64::from(old.len) >= old.total;
         let repr = DataRepr {
             token: self.peer_token,
             cts_ack: self.tx.cts_next,
