@@ -343,13 +343,13 @@ impl Connection {
                 continue;
             }
             let mut at = due;
-            if suspect_due <= now {
-                self.overdue(entropy, tx_seq, sent_at, now);
-            }
             if suspect_due > now {
                 at = at.min(suspect_due);
-            } else if failing_due > now {
-                at = at.min(failing_due);
+            } else {
+                self.overdue(entropy, tx_seq, sent_at, now);
+                if failing_due > now {
+                    at = at.min(failing_due);
+                }
             }
             if counted && expected > now {
                 at = at.min(expected);
