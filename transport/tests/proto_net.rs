@@ -63,6 +63,8 @@ struct Link {
     dead: Vec<u16>,
     /// Entropies whose packets vanish from the given time on (a failed spine: many entropies at once).
     holes: (Vec<u16>, Micros),
+    /// The first this many CTS packets vanish.
+    lost_cts: u64,
 }
 
 impl Default for Link {
@@ -76,6 +78,7 @@ impl Default for Link {
             blackhole: None,
             dead: Vec::new(),
             holes: (Vec::new(), Micros::MAX),
+            lost_cts: 0,
         }
     }
 }
@@ -83,6 +86,8 @@ impl Default for Link {
 #[derive(Debug, Clone, Default)]
 struct LinkStats {
     data: u64,
+    /// CTS packets sent.
+    cts: u64,
     dropped_data: u64,
     dropped_sack: u64,
     dropped_other: u64,
@@ -153,6 +158,8 @@ struct Sim {
     links: [Link; 2],
     link_stats: [LinkStats; 2],
     nic_free_ns: [u64; 2],
+    /// Sender NIC rate in bytes per nanosecond times 10 (`NIC_DECIBYTES_PER_NS` unless a test slows it).
+    nic_decibytes_per_ns: u64,
     queue: BinaryHeap<Reverse<InTransit>>,
     seq: u64,
     /// Every DATA packet end A sent, with the time it left the NIC.
@@ -199,6 +206,7 @@ impl Sim {
             links,
             link_stats: Default::default(),
             nic_free_ns: [0; 2],
+            nic_decibytes_per_ns: NIC_DECIBYTES_PER_NS,
             queue: BinaryHeap::new(),
             seq: 0,
             data_log: Vec::new(),
@@ -258,7 +266,7 @@ impl Sim {
         self.wire_log.push(WireSent { at: self.now, from, entropy, ptype });
         let link = self.links[from].clone();
         let start = self.nic_free_ns[from].max(self.now * 1000);
-        let done = start + (bytes.len() as u64 * 10).div_ceil(NIC_DECIBYTES_PER_NS);
+        let done = start + (bytes.len() as u64 * 10).div_ceil(self.nic_decibytes_per_ns);
         self.nic_free_ns[from] = done;
         if is_data && from == A {
             let d = DataRepr::parse(&DataPacket::new_checked(&bytes[..]).expect("own DATA parses")).expect("own DATA parses");
@@ -274,6 +282,11 @@ impl Sim {
             || (left >= link.holes.1 && link.holes.0.contains(&entropy))
         {
             ls.blackholed += 1;
+            return;
+        }
+        if ptype == Some(PacketType::Cts) && ls.cts < link.lost_cts {
+            ls.cts += 1;
+            ls.dropped_other += 1;
             return;
         }
         if self.rng.gen_bool(link.loss) {
@@ -521,6 +534,7 @@ fn reordering_far_beyond_the_count_threshold_alone_resends_almost_nothing() {
         let st = sim.stats(A);
         let reordered = sim.stats(B).data_pkts_received;
         assert!(reordered > 500, "{reordered} packets");
+        eprintln!("time {} count {} tlp {} spurious {}", st.time_losses, st.reorder_losses, st.tail_probes, st.spurious_retransmissions);
         assert!(st.retransmissions * 100 <= reordered, "{} retransmissions of {reordered} packets without loss", st.retransmissions);
         assert_eq!(st.timeouts, 0);
     });
@@ -1128,5 +1142,79 @@ fn a_one_packet_send_completes_in_a_round_trip_not_after_the_sack_delay() {
         let last_send = sim.ends[A].done.iter().map(|(t, _)| *t).max().expect("sends completed");
         assert!(last_send < 1_000, "the last send completed at {last_send} µs, after the SACK delay");
         assert_eq!(sim.stats(A).retransmissions, 0);
+    });
+}
+
+/// Time per round of `sizes` sent one message at a time (each send and its receive complete before
+/// the next is posted, as `prism-perf sendrecv` and NCCL's small steps do), over a 1 GB/s sender
+/// NIC with `loss` both ways; `rounds` rounds. Returns (µs per round, sender's stats).
+fn one_at_a_time(seed: u64, sizes: &[u64], loss: f64, rounds: usize) -> (f64, ConnStats) {
+    // The plugin's settings at MTU 9000 (payload, RTO floor, reorder threshold), not the defaults.
+    let cfg = ProtoConfig { max_payload: 8832, rto_min_us: 5000, reorder_threshold: 64, ..ProtoConfig::default() };
+    let l = Link { loss, ..Link::default() };
+    let mut sim = Sim::new(seed, &cfg, [l.clone(), l]);
+    sim.nic_decibytes_per_ns = 10;
+    for round in 0..rounds {
+        for (k, &len) in sizes.iter().enumerate() {
+            let (sent, received) = (sim.completed(A), sim.completed(B));
+            let posted = post(&mut sim, &[vec![m(len, len, (round * sizes.len() + k) as i32)]]);
+            sim.run_until(sim.now + 10_000_000, |s| s.completed(A) > sent && s.completed(B) > received);
+            verify(&sim, &posted);
+        }
+    }
+    (sim.now as f64 / rounds as f64, sim.stats(A).clone())
+}
+
+/// A connection sends its window at once, so the RTTs it measures are mostly its own queue (here a
+/// 1 MiB message drains through a 1 GB/s NIC in about 1 ms; the link adds 5 µs). Losses in such a
+/// burst, lost retransmissions and lost tail acknowledgements must cost about a round trip of what
+/// is still queued, not two smoothed RTTs of a full burst each: at 5 % loss both ways, a round of
+/// one 1 MiB message takes at most 1.4 x as long as without loss, a round of the eight sizes from
+/// 8 B to 128 KiB (one to fifteen packets) at most 1.5 x. (Before the drain-based probe timeout,
+/// the path reference and the CTS timer of two RTTs: 2.65 x and 1.72 x.)
+#[test]
+fn loss_in_a_self_queued_burst_costs_a_round_trip_of_the_queue_not_two_inflated_srtts() {
+    seeded(7, |seed| {
+        for (name, sizes, max_ratio) in [("1 MiB", vec![MIB], 1.4), ("8 B-128 KiB", vec![8, 32, 128, 512, 2048, 8192, 32768, 131072], 1.5)]
+        {
+            let rounds = 200;
+            let (clean, st0) = one_at_a_time(seed, &sizes, 0.0, rounds);
+            let (lossy, st) = one_at_a_time(seed, &sizes, 0.05, rounds);
+            let ratio = lossy / clean;
+            eprintln!(
+                "{name}: {clean:.1} µs per round without loss, {lossy:.1} with 5 % ({ratio:.2} x); retransmissions {} \
+                 (losses by time {}, timeout {}, tail probes {}; without loss {} probes)",
+                st.retransmissions, st.time_losses, st.timeout_losses, st.tail_probes, st0.tail_probes
+            );
+            assert_eq!(st0.retransmissions, st0.tail_probes, "{name}: without loss only probes are resent");
+            assert!(st.retransmissions > 50, "{name}: the lossy run must lose packets");
+            assert_eq!(st.timeout_losses, 0, "{name}: a loss waited for the retransmission timeout");
+            assert!(ratio <= max_ratio, "{name}: 5 % loss makes a round {ratio:.2} x as long (at most {max_ratio})");
+        }
+    });
+}
+
+/// Both copies of a CTS lost (bench-loss's 5 % loss does that to one receive in 400): the receiver
+/// sends it again once its acknowledgement is two RTTs late, not after the retransmission timeout
+/// (here 10 ms; the link is 5 µs each way).
+#[test]
+fn a_cts_lost_twice_is_sent_again_after_two_round_trips_not_the_rto() {
+    seeded(46, |seed| {
+        let cfg = ProtoConfig { rto_min_us: 10_000, ..ProtoConfig::default() };
+        let mut sim = Sim::new(seed, &cfg, [Link::default(), Link::default()]);
+        // A first message gives the receiver an RTT sample; the second's CTS is lost twice.
+        let first = post(&mut sim, &[vec![m(4096, 4096, 1)]]);
+        sim.run_until(1_000_000, |s| all_done(s, &first));
+        sim.links[B].lost_cts = sim.link_stats[B].cts + 2;
+        let t0 = sim.now;
+        let second = post(&mut sim, &[vec![m(4096, 4096, 2)]]);
+        sim.run_until(1_000_000, |s| s.completed(B) == 2 && s.completed(A) == 2);
+        verify(&sim, &second);
+        let took = sim.now - t0;
+        let rx = sim.stats(B);
+        eprintln!("second receive took {took} µs; CTS sent {} copies {} resent {}", rx.cts_sent, rx.cts_copies, rx.cts_retransmitted);
+        assert_eq!(sim.link_stats[B].dropped_other, 2, "both copies of the second CTS were dropped");
+        assert_eq!(rx.cts_retransmitted, 1);
+        assert!(took < 200, "the second receive took {took} µs: its CTS waited for the RTO");
     });
 }

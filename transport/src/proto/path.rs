@@ -44,6 +44,10 @@ pub(crate) struct Path {
     /// One past the newest transmission on this path known to have arrived: a loss of an older one
     /// is random loss on a working path, not a failure.
     pub(crate) delivered_tx_end: u64,
+    /// RTT of the most recently sent transmission on this path known to have arrived (µs): the
+    /// path's own RACK reference. A packet this path carried after another one arrived, so the
+    /// older one (a path keeps its order) was due by then; the RTT includes whatever queue both met.
+    pub(crate) delivered_rtt_us: u64,
     /// Probes of this suspect path that went unanswered.
     pub(crate) probe_failures: u32,
     /// Transmissions from this one on were sent after the last timeout; acknowledgements of older
@@ -77,6 +81,7 @@ impl Path {
             consecutive_losses: 0,
             last_loss_tx_seq: 0,
             delivered_tx_end: 0,
+            delivered_rtt_us: 0,
             probe_failures: 0,
             timeout_tx_seq: None,
             bad_since: 0,

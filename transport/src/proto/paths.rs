@@ -182,10 +182,13 @@ impl Paths {
     /// Transmission `tx_seq` on `e`, sent at `sent_at`, arrived. Sent after the path's last loss or
     /// timeout, it proves the path works: its loss run ends and it is alive again (unless dead: only a
     /// probe revives a dead path, since late packets from before the failure prove nothing).
-    pub(crate) fn delivered(&mut self, e: u16, tx_seq: u64, sent_at: Micros, now: Micros, ps: &mut [PathStats]) {
+    pub(crate) fn delivered(&mut self, e: u16, tx_seq: u64, sent_at: Micros, rtt_us: u64, now: Micros, ps: &mut [PathStats]) {
         let p = &mut self.list[e as usize];
         p.last_ok_sent_at = Some(p.last_ok_sent_at.map_or(sent_at, |t| t.max(sent_at)));
-        p.delivered_tx_end = p.delivered_tx_end.max(tx_seq + 1);
+        if tx_seq >= p.delivered_tx_end {
+            p.delivered_tx_end = tx_seq + 1;
+            p.delivered_rtt_us = rtt_us;
+        }
         if tx_seq > p.last_loss_tx_seq {
             p.consecutive_losses = 0;
         }

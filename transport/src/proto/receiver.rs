@@ -178,7 +178,7 @@ impl Connection {
     /// Earliest CTS retransmission, looking only at groups from the first unacknowledged CTS on
     /// (groups are in CTS order, and acknowledged ones never time out).
     pub(super) fn cts_deadline(&self) -> Option<Micros> {
-        let rto = self.ctl_rtt.rto_us();
+        let rto = self.cts_timeout();
         let first = self.rx.groups.partition_point(|g| g.seq < self.rx.cts_acked);
         self.rx
             .groups
@@ -188,13 +188,27 @@ impl Connection {
             .min()
     }
 
+    /// How long a CTS waits for its acknowledgement before it is sent again: the sender acknowledges
+    /// every CTS at once (in the header of its next packet, or a bare ACK), whether or not a send
+    /// matches it, so two smoothed RTTs of CTS and acknowledgement (the tail-loss probe's timeout),
+    /// plus the SACK delay for an acknowledgement that waits behind data, and never more than the
+    /// RTO. Both copies of a CTS were lost in bench-loss's 5 % loss about once every 400 receives,
+    /// and each such loss cost the whole RTO (at least `PRISM_RTO_MIN_US`) before.
+    fn cts_timeout(&self) -> u64 {
+        let rto = self.ctl_rtt.rto_us();
+        match self.ctl_rtt.srtt_us() {
+            Some(srtt) => (2 * srtt + self.cfg.sack_delay_us).clamp(1, rto),
+            None => rto,
+        }
+    }
+
     fn cts_backoff(&self, rto: u64, retries: u32) -> u64 {
         rto.saturating_mul(1 << retries.min(16)).min(self.cfg.rto_max_us)
     }
 
     /// Queue every CTS whose timer expired for retransmission.
     pub(super) fn on_cts_timers(&mut self, now: Micros) {
-        let rto = self.ctl_rtt.rto_us();
+        let rto = self.cts_timeout();
         // Groups are in CTS order and acknowledged ones never expire: start at the first unacknowledged.
         let first = self.rx.groups.partition_point(|g| g.seq < self.rx.cts_acked);
         for i in first..self.rx.groups.len() {

@@ -39,6 +39,12 @@ pub(crate) struct SentPkt {
     /// `Lost` only because it is resent as the tail-loss probe: an acknowledgement of the old copy
     /// is not a spurious loss.
     pub(crate) probed: bool,
+    /// The connection's delivered bytes, and when they were last counted, when this copy left: its
+    /// acknowledgement measures the delivery rate since (BBR's rate sample).
+    pub(crate) delivered_at_send: (u64, Micros),
+    /// Path and send time of the copy before this one (resent packets): an echo naming it says the
+    /// copy declared lost arrived after all, and how late.
+    pub(crate) prev_copy: (u16, Micros),
 }
 
 /// A posted send that has not completed.
@@ -115,6 +121,19 @@ pub(crate) struct TxState {
     pub(crate) reo_mult: u32,
     /// When a loss last turned out spurious.
     pub(crate) last_spurious_at: Micros,
+    /// Reordering measured: how much later than RACK's reference allowed a packet was acknowledged
+    /// (µs), the largest in the current and the previous measuring period...
+    pub(crate) reo_late_us: [u64; 2],
+    /// ... and when the current period began.
+    pub(crate) reo_late_since: Micros,
+    /// Bytes acknowledged (first copies known to have arrived) and when they were last counted.
+    pub(crate) delivered: (u64, Micros),
+    /// Largest delivery rate measured (bytes per millisecond) in the current and the previous
+    /// measuring period: how fast what is in flight drains.
+    pub(crate) rate_max: [u64; 2],
+    /// `acked_tx_end` and `rack_rtt_us` before the acknowledgement being applied: packets acknowledged
+    /// together arrived in an order nobody knows, so only earlier ones count as overtaking.
+    pub(crate) acked_before: (u64, u64),
     /// When the earliest packet sent before RACK's reference becomes overdue.
     pub(crate) rack_timer: Option<Micros>,
     /// The tail-loss probe: measured from the last transmission or acknowledgement; due to go out.
@@ -170,6 +189,11 @@ impl TxState {
             min_rtt_us: None,
             reo_mult: 1,
             last_spurious_at: 0,
+            reo_late_us: [0; 2],
+            reo_late_since: 0,
+            acked_before: (0, 0),
+            delivered: (0, 0),
+            rate_max: [0; 2],
             rack_timer: None,
             tlp_base: 0,
             tlp_count: 0,
@@ -288,6 +312,8 @@ impl TxState {
             tx_seq: 0,
             resent: false,
             probed: false,
+            delivered_at_send: (0, 0),
+            prev_copy: (0, 0),
         };
         item.next_offset += len;
         let done = item.trunc || item.next_offset == item.total;

@@ -70,7 +70,16 @@ impl Connection {
         };
         let tx_seq = self.tx.next_tx_seq;
         self.tx.next_tx_seq += 1;
+        if self.tx.in_flight == 0 {
+            // Nothing in flight: the time until now was idle, not delivery.
+            self.tx.delivered.1 = now;
+        }
+        let delivered = self.tx.delivered;
         let rec = &mut self.tx.ring[idx];
+        rec.delivered_at_send = delivered;
+        if retx {
+            rec.prev_copy = (old.entropy, old.sent_at);
+        }
         rec.state = PktState::InFlight;
         rec.probed = false;
         rec.entropy = entropy;
