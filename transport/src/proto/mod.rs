@@ -39,6 +39,7 @@
 mod config;
 mod connection;
 mod deadline;
+mod gate;
 mod path;
 mod paths;
 mod receiver;
