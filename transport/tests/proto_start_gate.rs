@@ -29,10 +29,13 @@ impl PayloadSource for Zeros {
 /// One first transmission of a DATA packet by end A: (time handed over, message offset).
 type Sent = (Micros, u64);
 
+/// A datagram on its way: (arrival time, tie-break sequence, destination end, bytes).
+type InTransit = (Micros, u64, usize, Vec<u8>);
+
 struct Net {
     now: Micros,
     ends: [Connection; 2],
-    queue: BinaryHeap<Reverse<(Micros, u64, usize, Vec<u8>)>>,
+    queue: BinaryHeap<Reverse<InTransit>>,
     seq: u64,
     /// First transmissions of DATA by end A.
     data: Vec<Sent>,
