@@ -407,7 +407,8 @@ impl CommCore {
             self.lb.plans.lock().remove(&msg.0);
             self.lb.posted_at.remove(&msg);
             if !self.lb.held.is_empty() {
-                // Failed before its batch was planned (the connection died).
+                // Failed before its batch was planned (the connection died); the plan its batch
+                // delivers later stays in the table until the comm closes.
                 self.lb.held.retain(|m| *m != msg);
             }
             self.requests.done.insert(msg, outcome);
