@@ -120,6 +120,7 @@ fn five_flows_posted_within_the_window_on_five_comms_are_planned_as_one_batch() 
     // the fifth in four quarters: 8 sub-flows, every uplink 5/4 MiB (Theorem 1).
     assert_eq!(sum(&stats, "planned_subflows"), 8, "{stats:#?}");
     assert_eq!(per_uplink(&stats), vec![5 * MIB as u64 / 4; 4]);
+    assert_eq!(stats.iter().map(|c| c["start_gates"]["held_sends"].as_u64().unwrap()).sum::<u64>(), 5);
     // No send was planned (so none completed) before the window of the first one was over, and none
     // took long after it.
     for t in &times {
@@ -163,6 +164,7 @@ fn other_policies_are_planned_at_once_and_never_held() {
     assert_eq!(sum(&stats, "sends_planned"), 5);
     assert_eq!(sum(&stats, "planned_subflows"), 5);
     assert!(per_uplink(&stats).iter().all(|&b| b == 0));
+    assert!(stats.iter().all(|c| c["start_gates"]["held_sends"] == 0 && c["start_gates"]["waited_pkts"] == 0), "{stats:#?}");
     // A one-second window would show as a one-second wait.
     assert!(times.iter().all(|t| *t < Duration::from_millis(900)), "{times:?}");
 }

@@ -158,6 +158,9 @@ fn a_chunk_leaves_at_its_start_time_and_not_before_even_with_nothing_else_to_do(
             assert_eq!(at, post + want, "offset {off} of chunk {k}");
         }
     }
+    // Two packets waited: the first from the CTS (+5) to +30, chunk 2's first from +30 to +250.
+    let g = net.ends[A].gate_stats();
+    assert_eq!((g.held_sends, g.waited_pkts, g.waited_us), (0, 2, 25 + 220));
     // Without start times the same send leaves at once, when the CTS arrives (one delay later).
     let mut plain = Net::new();
     plain.now = 1_000;
@@ -182,6 +185,8 @@ fn a_held_send_and_the_sends_behind_it_wait_until_it_is_released() {
     net.ends[A].set_send_starts(first, &[(0, 5_040)]);
     net.run(Some(3), 0, 100_000);
     assert_eq!(net.data, vec![(5_040, 0), (5_040, 0)]);
+    let g = net.ends[A].gate_stats();
+    assert_eq!((g.held_sends, g.waited_pkts, g.waited_us), (1, 1, 5_040 - DELAY_US));
     let sent: Vec<MsgId> = net.done.iter().filter(|d| d.1 == A).map(|d| d.2).collect();
     assert_eq!(sent, vec![first, second]);
 }

@@ -151,8 +151,8 @@ fn zero_like(v: &Value, skip: &[&str]) -> Value {
 #[derive(Debug, Default)]
 struct Group {
     comms: u64,
-    /// planned_bytes_per_rail and _per_uplink, sends_planned, planned_subflows, wrong_peer_dropped,
-    /// control_steered, conn counters, verbs counters.
+    /// planned_bytes_per_rail and _per_uplink, sends_planned, planned_subflows, start_gates,
+    /// wrong_peer_dropped, control_steered, conn counters, verbs counters.
     sums: Value,
     paths: PathSum,
 }
@@ -240,6 +240,7 @@ impl ClosedComms {
             "planned_bytes_per_uplink",
             "sends_planned",
             "planned_subflows",
+            "start_gates",
             "wrong_peer_dropped",
             "control_steered",
         ] {

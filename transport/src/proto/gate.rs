@@ -30,6 +30,20 @@ pub(crate) struct StartGates {
     by_msg: HashMap<MsgId, Gate>,
     /// The next packet of new data, already taken from the sender's queue: (packet, ends its send).
     pub(crate) parked: Option<(SentPkt, bool)>,
+    /// Since when the parked packet has waited for its start time (None: it has not).
+    waiting_since: Option<Micros>,
+    stats: GateStats,
+}
+
+/// What the start gates did (for the driver's statistics).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
+pub struct GateStats {
+    /// Sends held until the driver released them.
+    pub held_sends: u64,
+    /// DATA packets that waited for a start time (each counted once).
+    pub waited_pkts: u64,
+    /// Their waits, summed (µs).
+    pub waited_us: u64,
 }
 
 impl StartGates {
@@ -73,7 +87,13 @@ impl Connection {
     pub fn hold_send(&mut self, msg: MsgId) {
         if self.tx_open_or_queued() {
             self.gates.by_msg.insert(msg, Gate::Held);
+            self.gates.stats.held_sends += 1;
         }
+    }
+
+    /// What the start gates did so far.
+    pub fn gate_stats(&self) -> GateStats {
+        self.gates.stats
     }
 
     /// Release send `msg` with per-range start times: the first transmission of a packet starting at
@@ -101,14 +121,28 @@ impl Connection {
     /// Whether new data may leave now: takes the next new packet off the sender's queue (into
     /// `parked`) if none is parked, and says whether it is due.
     pub(super) fn next_new_due(&mut self, now: Micros, max_payload: u64) -> bool {
-        if self.gates.parked.is_none() {
-            self.gates.parked = self.tx.next_new_packet(max_payload, now);
+        let g = &mut self.gates;
+        if g.parked.is_none() {
+            g.parked = self.tx.next_new_packet(max_payload, now);
         }
-        self.gates.parked.as_ref().is_some_and(|(rec, _)| self.gates.is_due(rec, now))
+        let Some((rec, _)) = &g.parked else { return false };
+        let due = g.is_due(rec, now);
+        if !due && g.waiting_since.is_none() {
+            g.waiting_since = Some(now);
+            g.stats.waited_pkts += 1;
+        }
+        due
     }
 
-    /// Forget every gate and the parked packet (the connection died).
+    /// The parked packet leaves now: account for its wait.
+    pub(super) fn gate_passed(&mut self, now: Micros) {
+        if let Some(since) = self.gates.waiting_since.take() {
+            self.gates.stats.waited_us += now.saturating_sub(since);
+        }
+    }
+
+    /// Forget every gate and the parked packet (the connection died); the statistics stay.
     pub(super) fn clear_gates(&mut self) {
-        self.gates = StartGates::default();
+        self.gates = StartGates { stats: self.gates.stats, ..StartGates::default() };
     }
 }

@@ -52,6 +52,7 @@ mod window;
 
 pub use config::ProtoConfig;
 pub use connection::Connection;
+pub use gate::GateStats;
 pub use stats::{ConnStats, DropStats, PathHealth, PathStats};
 
 /// The caller's monotonic clock, in microseconds.

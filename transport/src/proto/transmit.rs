@@ -65,6 +65,7 @@ impl Connection {
             self.gates.parked = Some((rec, done));
             return None;
         }
+        self.gate_passed(now);
         if done {
             self.gates.forget(rec.msg);
         }

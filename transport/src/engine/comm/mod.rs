@@ -681,6 +681,7 @@ impl CommCore {
             "planned_bytes_per_uplink": self.uplink_stats(),
             "sends_planned": self.lb.sends_planned,
             "planned_subflows": self.lb.subflows,
+            "start_gates": self.conn.gate_stats(),
             "rate": self.rate_stats(),
             "wrong_peer_dropped": self.rx.wrong_peer,
             "control_steered": self.board.steered,
