@@ -151,7 +151,8 @@ fn zero_like(v: &Value, skip: &[&str]) -> Value {
 #[derive(Debug, Default)]
 struct Group {
     comms: u64,
-    /// planned_bytes_per_rail, wrong_peer_dropped, control_steered, conn counters, verbs counters.
+    /// planned_bytes_per_rail and _per_uplink, sends_planned, planned_subflows, start_gates,
+    /// wrong_peer_dropped, control_steered, conn counters, verbs counters.
     sums: Value,
     paths: PathSum,
 }
@@ -234,7 +235,15 @@ impl ClosedComms {
         g.comms += 1;
         g.paths.add(paths);
         let mut counters = Map::new();
-        for k in ["planned_bytes_per_rail", "wrong_peer_dropped", "control_steered"] {
+        for k in [
+            "planned_bytes_per_rail",
+            "planned_bytes_per_uplink",
+            "sends_planned",
+            "planned_subflows",
+            "start_gates",
+            "wrong_peer_dropped",
+            "control_steered",
+        ] {
             if let Some(x) = v.get(k) {
                 counters.insert(k.into(), x.clone());
             }

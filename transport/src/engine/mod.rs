@@ -125,6 +125,7 @@ pub trait RecvBuf: Send {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct ReqId(pub u32);
 
+mod batch;
 mod board;
 mod closed;
 mod comm;

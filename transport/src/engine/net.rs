@@ -11,6 +11,7 @@ use parking_lot::Mutex;
 use prism_lb::{LbRuntime, Topology};
 use socket2::{Domain, Protocol, SockAddr, Socket, Type};
 
+use super::batch::SendBatches;
 use super::comm::SendComm;
 use super::config::{QpType, Transport};
 use super::handshake::{io_err, new_token, write_handle, Connector};
@@ -139,7 +140,10 @@ impl Net {
             ..ProtoConfig::default()
         };
         tracing::info!("load balancing: {} (host id {host_id})", lb.describe());
+        // Ethereal's interceptor window; without it (or without Ethereal) each send is planned when posted.
+        let batches = (lb.split == prism_lb::SplitKind::Ethereal && lb.ethereal.batch_us > 0).then(|| SendBatches::new(&lb_rt));
         let inner = Arc::new(NetInner {
+            batches,
             cfg,
             lb,
             lb_rt,

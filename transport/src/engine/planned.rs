@@ -17,13 +17,46 @@ use prism_lb::{Feedback, FlowInfo, LbRuntime, PathCtx, PathPolicy, Plan, RateCon
 pub(crate) struct ChunkMap {
     /// (offset, end, rail, uplink), sorted by offset, covering the message.
     spans: Vec<(u64, u64, u16, Option<u16>)>,
+    /// Ethereal's start jitter: (offset, not before) in engine µs, sorted by offset, one entry where the
+    /// start time changes; empty when no chunk has a start delay.
+    starts: Vec<(u64, u64)>,
 }
 
 impl ChunkMap {
-    pub fn from_plan(plan: &Plan) -> Self {
+    /// The plan made at `planned_us`: chunk start delays count from then.
+    pub fn from_plan(plan: &Plan, planned_us: u64) -> Self {
         let mut spans: Vec<_> = plan.chunks.iter().map(|c| (c.offset, c.offset + u64::from(c.len), c.rail, c.uplink)).collect();
         spans.sort_unstable_by_key(|s| s.0);
-        Self { spans }
+        let mut starts = Vec::new();
+        if plan.chunks.iter().any(|c| c.start_after_us > 0) {
+            let mut by_offset: Vec<(u64, u64)> =
+                plan.chunks.iter().map(|c| (c.offset, planned_us.saturating_add(u64::from(c.start_after_us)))).collect();
+            by_offset.sort_unstable_by_key(|s| s.0);
+            for s in by_offset {
+                if starts.last().is_none_or(|l: &(u64, u64)| l.1 != s.1) {
+                    starts.push(s);
+                }
+            }
+        }
+        Self { spans, starts }
+    }
+
+    /// (offset, not before) for `Connection::set_send_starts` (empty: no chunk waits).
+    pub fn starts(&self) -> &[(u64, u64)] {
+        &self.starts
+    }
+
+    /// Bytes per (rail, pinned uplink); `None` for chunks the path layer may send on any uplink.
+    pub fn uplinks(&self) -> impl Iterator<Item = ((u16, Option<u16>), u64)> + '_ {
+        self.spans.iter().map(|s| ((s.2, s.3), s.1 - s.0))
+    }
+
+    /// Sub-flows of the message: its distinct (rail, uplink) pairs.
+    pub fn subflows(&self) -> usize {
+        let mut v: Vec<(u16, Option<u16>)> = self.spans.iter().map(|s| (s.2, s.3)).collect();
+        v.sort_unstable();
+        v.dedup();
+        v.len()
     }
 
     fn at(&self, offset: u64) -> Option<(u16, Option<u16>)> {
@@ -138,7 +171,7 @@ mod tests {
         let rt = runtime(&[("PRISM_RAIL", "rr"), ("PRISM_CHUNK", "4096")], 2);
         let plans: Plans = Arc::default();
         let plan = rt.plan(&prism_lb::SendReq { dst_host: 9, len: 64 * 1024, flow: 1, home_rail: 0 }, 0).unwrap();
-        let map = ChunkMap::from_plan(&plan);
+        let map = ChunkMap::from_plan(&plan, 0);
         let expect: Vec<(u64, u16)> = plan.chunks.iter().map(|c| (c.offset, c.rail)).collect();
         plans.lock().insert(5, map);
         let mut p = PlannedPaths::new(&rt, 9, 2, 16, 0, 3, plans);

@@ -8,6 +8,7 @@ use std::time::Instant;
 use parking_lot::Mutex;
 use prism_lb::LbRuntime;
 
+use super::batch::SendBatches;
 use super::board::PathBoard;
 use super::closed::ClosedComms;
 use super::config::QpType;
@@ -25,6 +26,8 @@ pub(crate) struct NetInner {
     pub lb: prism_lb::LbConfig,
     /// The load balancer shared by every comm (RailS loads, PRO/DR state per leaf, ...).
     pub lb_rt: LbRuntime,
+    /// Ethereal's batching of sends across comms (`PRISM_ETHEREAL_BATCH_US` > 0 with `PRISM_SPLIT=ethereal`).
+    pub batches: Option<SendBatches>,
     /// This host's id in the topology (or a stable id from its address when hosts are not listed).
     pub host_id: u32,
     pub proto: ProtoConfig,

@@ -5,6 +5,7 @@ use std::collections::VecDeque;
 
 use prism_lb::PathPolicy;
 
+use super::gate::StartGates;
 use super::paths::Paths;
 use super::receiver::RxState;
 use super::rtt::RttEstimator;
@@ -83,6 +84,8 @@ pub struct Connection {
     last_ping_at: Option<Micros>,
     ping_due: bool,
     pong_due: Option<(u16, u32)>,
+    /// Start times of sends the driver set (`gate.rs`).
+    pub(super) gates: StartGates,
 }
 
 impl std::fmt::Debug for Connection {
@@ -127,6 +130,7 @@ impl Connection {
             last_ping_at: None,
             ping_due: false,
             pong_due: None,
+            gates: StartGates::default(),
         }
     }
 
@@ -314,6 +318,7 @@ impl Connection {
         self.ping_due = false;
         self.pong_due = None;
         self.paths.clear_in_flight(&mut self.stats.paths);
+        self.clear_gates();
         self.work_since = None;
         self.life = match error {
             MsgError::Closed => Life::Closed { close_due: true, last_close_at: None },
@@ -429,6 +434,7 @@ impl Connection {
             self.path_timer_deadline(),
             self.sack_deadline(),
             self.cts_deadline(),
+            self.gates.deadline(self.now),
         ]
         .into_iter()
         .flatten()

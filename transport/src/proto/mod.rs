@@ -39,6 +39,7 @@
 mod config;
 mod connection;
 mod deadline;
+mod gate;
 mod path;
 mod paths;
 mod receiver;
@@ -51,6 +52,7 @@ mod window;
 
 pub use config::ProtoConfig;
 pub use connection::Connection;
+pub use gate::GateStats;
 pub use stats::{ConnStats, DropStats, PathHealth, PathStats};
 
 /// The caller's monotonic clock, in microseconds.

@@ -16,7 +16,8 @@ impl Connection {
     pub(super) fn poll_data(&mut self, now: Micros, src: &mut dyn PayloadSource, out: &mut [u8]) -> Option<Transmit> {
         let probe = std::mem::take(&mut self.tx.tlp_due);
         if probe && !self.tx.has_retransmission() {
-            if self.tx.tx_queue.is_empty() || self.tx.next_psn() - self.tx.snd_una >= OOO_WINDOW_PKTS {
+            let window_full = self.tx.next_psn() - self.tx.snd_una >= OOO_WINDOW_PKTS;
+            if window_full || !self.max_new_payload(out.len()).is_some_and(|m| self.next_new_due(now, m)) {
                 // No new data to probe with: send the newest packet in flight again.
                 if let Some(psn) = self.tx.newest_in_flight() {
                     self.declare_lost(psn, now, LossCause::Probe);
@@ -52,11 +53,30 @@ impl Connection {
 
     /// The next packet of new data, if any.
     fn poll_new_data(&mut self, now: Micros, src: &mut dyn PayloadSource, out: &mut [u8]) -> Option<Transmit> {
-        // Whole lines only: every packet but a buffer's last one ends on a line boundary of the message.
-        let max_payload = super::config::line_floor(self.cfg.max_payload.min(out.len().checked_sub(DATA_HEADER_LEN)?)) as u64;
-        let (rec, done) = self.tx.next_new_packet(max_payload, now)?;
+        let max_payload = self.max_new_payload(out.len())?;
+        // The next packet waits (parked) while its send's start time is not reached (`gate.rs`).
+        if !self.next_new_due(now, max_payload) {
+            return None;
+        }
+        let (rec, done) = self.gates.parked.take()?;
+        if out.len() < DATA_HEADER_LEN + rec.len as usize {
+            // Parked when a larger buffer was offered.
+            tracing::warn!(buffer = out.len(), need = DATA_HEADER_LEN + rec.len as usize, "transmit buffer too small for new data");
+            self.gates.parked = Some((rec, done));
+            return None;
+        }
+        self.gate_passed(now);
+        if done {
+            self.gates.forget(rec.msg);
+        }
         let psn = self.tx.push_new(rec, done, now);
         Some(self.transmit_data(psn, false, now, src, out))
+    }
+
+    /// The most payload a new packet in a buffer of `out_len` bytes carries: whole lines only, so every
+    /// packet but a buffer's last one ends on a line boundary of the message.
+    fn max_new_payload(&self, out_len: usize) -> Option<u64> {
+        Some(super::config::line_floor(self.cfg.max_payload.min(out_len.checked_sub(DATA_HEADER_LEN)?)) as u64)
     }
 
     /// Put PSN `psn` on a path and into `out`.

@@ -1,7 +1,7 @@
 //! A connected comm: one `proto::Connection` plus the buffers of its outstanding requests, driven by
 //! whoever calls `isend`/`irecv`/`test` (NCCL's proxy progress thread).
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::net::SocketAddrV4;
 use std::sync::Arc;
 
@@ -57,6 +57,13 @@ struct LbState {
     posted_at: HashMap<MsgId, u64>,
     /// Bytes planned onto each rail (stats).
     rail_bytes: Vec<u64>,
+    /// Bytes planned onto each (rail, pinned uplink; None: any), sends planned and their sub-flows
+    /// (distinct (rail, uplink) pairs), for stats.
+    uplink_bytes: BTreeMap<(u16, Option<u16>), u64>,
+    sends_planned: u64,
+    subflows: u64,
+    /// Sends held in proto until their batch is planned (`batch.rs`), in posting order.
+    held: Vec<MsgId>,
 }
 
 /// Datagrams the rails demultiplexed to this comm.
@@ -275,7 +282,16 @@ impl CommCore {
             net,
             conn,
             id: Ident { token, peer_rails, peer_host, home, role },
-            lb: LbState { plans, rate, posted_at: HashMap::new(), rail_bytes: vec![0; nrails] },
+            lb: LbState {
+                plans,
+                rate,
+                posted_at: HashMap::new(),
+                rail_bytes: vec![0; nrails],
+                uplink_bytes: BTreeMap::new(),
+                sends_planned: 0,
+                subflows: 0,
+                held: Vec::new(),
+            },
             rx: Rx { inbox, incoming: Vec::new(), wrong_peer: 0 },
             requests: Requests {
                 sends: HashMap::new(),
@@ -312,10 +328,21 @@ impl CommCore {
     /// When this comm next needs attention even if no datagram arrives (None: closed or idle).
     pub fn next_wake(&mut self) -> Option<u64> {
         if self.closed {
-            None
-        } else {
-            self.conn.poll_timeout()
+            return None;
         }
+        let t = self.conn.poll_timeout();
+        if self.lb.held.is_empty() {
+            return t;
+        }
+        // A held send: at once if its plan is in (another comm planned the batch), else when the
+        // open batch is due.
+        let now = self.net.now_us();
+        let planned = {
+            let plans = self.lb.plans.lock();
+            self.lb.held.iter().any(|m| plans.contains_key(&m.0))
+        };
+        let due = if planned { now } else { self.net.batches.as_ref().and_then(|b| b.deadline()).unwrap_or(now) };
+        Some(t.map_or(due, |t| t.min(due)))
     }
 
     /// Receive, run timers, transmit, collect completions.
@@ -350,6 +377,7 @@ impl CommCore {
             }
             self.rx.incoming.clear();
         }
+        self.release_planned(now);
         if self.conn.poll_timeout().is_some_and(|t| t <= now) {
             self.conn.handle_timeout(now);
         }
@@ -378,6 +406,11 @@ impl CommCore {
             self.requests.recvs.remove(&msg);
             self.lb.plans.lock().remove(&msg.0);
             self.lb.posted_at.remove(&msg);
+            if !self.lb.held.is_empty() {
+                // Failed before its batch was planned (the connection died); the plan its batch
+                // delivers later stays in the table until the comm closes.
+                self.lb.held.retain(|m| *m != msg);
+            }
             self.requests.done.insert(msg, outcome);
         }
         self.apply_rate();
@@ -533,24 +566,68 @@ impl CommCore {
         }
     }
 
-    /// Ask the load balancer how to spread message `msg` over rails and uplinks.
+    /// Ask the load balancer how to spread send `msg` over rails and uplinks: at once, or, with
+    /// Ethereal's batching window, together with the sends of its batch (the send is held in proto
+    /// until then; see `batch.rs`). The plan's start delays hold its chunks back in proto.
     fn plan(&mut self, msg: MsgId, len: u64, now: u64) {
         if len == 0 {
             return;
         }
         let req = prism_lb::SendReq { dst_host: self.id.peer_host as usize, len, flow: self.id.token, home_rail: self.id.home };
-        match self.net.lb_rt.plan(&req, now) {
+        let net = self.net.clone();
+        if let Some(b) = &net.batches {
+            self.conn.hold_send(msg);
+            self.lb.held.push(msg);
+            b.push(&net.lb_rt, &self.lb.plans, msg.0, req, now);
+            self.release_planned(now);
+            return;
+        }
+        match net.lb_rt.plan(&req, now) {
             Ok(plan) => {
-                let map = ChunkMap::from_plan(&plan);
-                for (rail, bytes) in map.rails() {
-                    if let Some(b) = self.lb.rail_bytes.get_mut(rail as usize) {
-                        *b += bytes;
-                    }
+                let map = ChunkMap::from_plan(&plan, now);
+                self.count_plan(&map);
+                if !map.starts().is_empty() {
+                    self.conn.set_send_starts(msg, map.starts());
                 }
                 self.lb.plans.lock().insert(msg.0, map);
             }
             Err(e) => tracing::warn!("no plan for a {len}-byte message ({e}); it stays on its own rail"),
         }
+    }
+
+    /// Release the held sends whose batch was planned (planning the open batch first if its window
+    /// is over), with their chunks' start times.
+    fn release_planned(&mut self, now: u64) {
+        if self.lb.held.is_empty() {
+            return;
+        }
+        if let Some(b) = &self.net.batches {
+            b.poll(&self.net.lb_rt, now);
+        }
+        for msg in std::mem::take(&mut self.lb.held) {
+            let map = self.lb.plans.lock().get(&msg.0).cloned();
+            match map {
+                Some(map) => {
+                    self.count_plan(&map);
+                    self.conn.set_send_starts(msg, map.starts());
+                }
+                None => self.lb.held.push(msg),
+            }
+        }
+    }
+
+    /// Statistics of a send's plan.
+    fn count_plan(&mut self, map: &ChunkMap) {
+        for (rail, bytes) in map.rails() {
+            if let Some(b) = self.lb.rail_bytes.get_mut(rail as usize) {
+                *b += bytes;
+            }
+        }
+        for (key, bytes) in map.uplinks() {
+            *self.lb.uplink_bytes.entry(key).or_insert(0) += bytes;
+        }
+        self.lb.sends_planned += 1;
+        self.lb.subflows += map.subflows() as u64;
     }
 
     fn new_req(&mut self, msg: MsgId) -> ReqId {
@@ -577,6 +654,21 @@ impl CommCore {
         serde_json::json!({ "controller": rate.name(), "window_pkts": self.conn.window_pkts(), "state": rate.describe_state() })
     }
 
+    /// Bytes planned onto each pinned uplink, per rail (`[rail][uplink]`; chunks the split layer left
+    /// free are in `planned_bytes_per_rail` only).
+    fn uplink_stats(&self) -> Vec<Vec<u64>> {
+        let mut v = vec![Vec::new(); self.lb.rail_bytes.len()];
+        for (&(rail, uplink), &bytes) in &self.lb.uplink_bytes {
+            if let (Some(r), Some(u)) = (v.get_mut(rail as usize), uplink) {
+                if r.len() <= u as usize {
+                    r.resize(u as usize + 1, 0);
+                }
+                r[u as usize] += bytes;
+            }
+        }
+        v
+    }
+
     /// Final statistics of this comm, but for its connection's (`record_stats` takes those apart).
     fn stats(&self) -> serde_json::Value {
         serde_json::json!({
@@ -586,6 +678,10 @@ impl CommCore {
             "peer_host": self.id.peer_host,
             "paths_per_rail": self.net.cfg.paths,
             "planned_bytes_per_rail": self.lb.rail_bytes,
+            "planned_bytes_per_uplink": self.uplink_stats(),
+            "sends_planned": self.lb.sends_planned,
+            "planned_subflows": self.lb.subflows,
+            "start_gates": self.conn.gate_stats(),
             "rate": self.rate_stats(),
             "wrong_peer_dropped": self.rx.wrong_peer,
             "control_steered": self.board.steered,
