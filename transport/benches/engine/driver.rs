@@ -225,7 +225,7 @@ impl PayloadSource for NoPayload {
 
 fn config(shape: Shape) -> ProtoConfig {
     // The engine's settings (engine/net.rs) for one rail of 16 paths and its default window.
-    ProtoConfig { n_paths: 16, max_payload: shape.payload(), reorder_threshold: 96, rto_min_us: 5_000, ..ProtoConfig::default() }
+    ProtoConfig { n_paths: 16, max_payload: shape.payload(), reorder_threshold: 96, rto_min_us: 20_000, ..ProtoConfig::default() }
 }
 
 fn is_data(pkt: &[u8]) -> bool {

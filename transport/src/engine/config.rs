@@ -79,7 +79,7 @@ impl Default for TransportConfig {
             peer_timeout_ms: 10_000,
             stall_timeout_ms: 20_000,
             connect_timeout_ms: 120_000,
-            rto_min_us: 5_000,
+            rto_min_us: 20_000,
             sockbuf: 8 << 20,
             seed: 0,
             host: None,
