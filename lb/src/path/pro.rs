@@ -41,7 +41,7 @@ pub struct ProShared {
 }
 
 impl ProShared {
-    /// Shared state whose counter starts at `c0` (random per leaf in the runtime; 0 reproduces the
+    /// Shared state whose counter starts at `c0` (the runtime sets it from `PRISM_PRO_START`; 0 reproduces the
     /// paper's listing).
     pub fn new(c0: u32) -> Self {
         Self { c: c0, flows: 0, cached: (0, 0, 1) }
