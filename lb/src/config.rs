@@ -54,6 +54,31 @@ impl PathKind {
     }
 }
 
+/// Where PRO's per-destination-leaf counter C starts (`PRISM_PRO_START`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum ProStart {
+    /// The host's position among the hosts of its leaf, plus a shift every host of the leaf derives
+    /// alike from (rail, source leaf, destination leaf): the hosts of one rack start on consecutive
+    /// paths, so in-phase senders never meet on a ToR uplink (the staggering the paper's ideal round
+    /// robin at the ToR has), and racks are independent of each other. Hosts the topology does not
+    /// list fall back to `random`.
+    #[default]
+    Rack,
+    /// Random per (host, rail, destination leaf): the paper's proof assumes uniform independent starts
+    /// (Lemma 4), but hosts of one rack then collide on an uplink whenever two draw the same offset.
+    Random,
+}
+
+impl ProStart {
+    /// The name as written in `PRISM_PRO_START`.
+    pub fn name(self) -> &'static str {
+        match self {
+            ProStart::Rack => "rack",
+            ProStart::Random => "random",
+        }
+    }
+}
+
 /// Smallest and largest `PRISM_CHUNK`.
 pub const CHUNK_RANGE: (u32, u32) = (256, 16 << 20);
 /// `PRISM_CHUNK` is a multiple of this: a transport that sizes its packets by the chunk keeps packet
@@ -77,6 +102,8 @@ pub struct LbConfig {
     pub ethereal: EtherealParams,
     /// `PRISM_PATH`.
     pub path: PathKind,
+    /// `PRISM_PRO_START`.
+    pub pro_start: ProStart,
     /// `PRISM_REPS_*`.
     pub reps: RepsParams,
     /// `PRISM_CC`.
@@ -96,6 +123,7 @@ impl Default for LbConfig {
             split: SplitKind::None,
             ethereal: EtherealParams::default(),
             path: PathKind::Spray,
+            pro_start: ProStart::default(),
             reps: RepsParams::default(),
             cc: CcKind::None,
             mcc: MccParams::default(),
@@ -195,6 +223,9 @@ impl LbConfig {
                 ],
             )?;
         }
+        if let Some(v) = get("PRISM_PRO_START") {
+            c.pro_start = choice("PRISM_PRO_START", v, &[("rack", ProStart::Rack), ("random", ProStart::Random)])?;
+        }
         if let Some(v) = get("PRISM_REPS_FREEZE_US") {
             c.reps.freeze_us = integer("PRISM_REPS_FREEZE_US", v, 0, 10_000_000)?;
         }
@@ -275,6 +306,7 @@ impl LbConfig {
             PathKind::Reps => {
                 format!("reps(freeze_us={},explore={},freeze_rtt={})", r.freeze_us, r.explore, r.freeze_rtt_permille as f64 / 1000.0)
             }
+            PathKind::Pro => format!("pro(start={})", self.pro_start.name()),
             k => k.name().to_string(),
         };
         let m = &self.mcc;
@@ -378,6 +410,12 @@ mod tests {
             assert_eq!(LbConfig::from_vars(&vars(&[("PRISM_RAIL", r)])).unwrap().rail.name(), r);
         }
         assert_eq!(LbConfig::from_vars(&vars(&[("PRISM_SPLIT", "ethereal")])).unwrap().split, SplitKind::Ethereal);
+        assert_eq!(LbConfig::default().pro_start, ProStart::Rack);
+        for p in ["rack", "random"] {
+            let c = LbConfig::from_vars(&vars(&[("PRISM_PATH", "pro"), ("PRISM_PRO_START", p)])).unwrap();
+            assert_eq!(c.pro_start.name(), p);
+            assert!(c.describe().contains(&format!("path=pro(start={p})")), "{}", c.describe());
+        }
     }
 
     #[test]
@@ -393,6 +431,7 @@ mod tests {
             ("PRISM_SPLIT", "half", "ethereal, none, fixed:k"),
             ("PRISM_ETHEREAL_RESET_US", "0", "between 1 and"),
             ("PRISM_ETHEREAL_JITTER_US", "-1", "between 0 and"),
+            ("PRISM_PRO_START", "zero", "must be one of rack, random"),
             ("PRISM_REPS_FREEZE_US", "abc", "between 0 and"),
             ("PRISM_REPS_EXPLORE", "70000", "between 0 and 65535"),
             ("PRISM_REPS_FREEZE_RTT", "0.5", "[1, 100]"),

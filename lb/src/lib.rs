@@ -28,7 +28,7 @@ pub mod runtime;
 pub mod split;
 pub mod topology;
 
-pub use config::{ConfigError, LbConfig, PathKind};
+pub use config::{ConfigError, LbConfig, PathKind, ProStart};
 pub use feedback::Feedback;
 pub use hash::splitmix64;
 pub use path::{PathCtx, PathPolicy};

@@ -8,7 +8,7 @@ use std::sync::{Arc, Mutex};
 
 use rand::{rngs::SmallRng, Rng, SeedableRng};
 
-use crate::config::{LbConfig, PathKind};
+use crate::config::{LbConfig, PathKind, ProStart};
 use crate::feedback::Feedback;
 use crate::path::{lock, DeadSet, Dr, DrShared, Ecmp, PathCtx, PathPolicy, Pinned, Pro, ProShared, Reps, Spray};
 use crate::plan::{Chunk, Plan, PlanError, SendReq};
@@ -225,6 +225,24 @@ impl LbRuntime {
         })
     }
 
+    /// Where PRO's counter C of `key` starts (`PRISM_PRO_START`): with `rack`, this host's position among
+    /// the hosts of its leaf on that rail, plus a shift all of them derive alike from (rail, own leaf,
+    /// pin), so the hosts of one rack start on consecutive paths whatever leaf each sends to, and racks
+    /// are independent of each other; `random` (or a host the topology does not list) draws it from this
+    /// runtime's seed.
+    fn pro_start(&self, key: &LeafKey) -> u32 {
+        let inner = &*self.inner;
+        let random = key_seed(inner.seed, key) as u32;
+        if inner.cfg.pro_start == ProStart::Random || !inner.topo.lists_hosts() {
+            return random;
+        }
+        let (rail, _dst_leaf, pin) = *key;
+        let Some(my_leaf) = inner.topo.leaf_of(inner.host, rail) else { return random };
+        let index = (0..inner.host).filter(|&h| inner.topo.leaf_of(h, rail) == Some(my_leaf)).count() as u32;
+        let shift = key_seed(0, &(rail, my_leaf, pin)) as u16 as u32;
+        shift + index
+    }
+
     fn make_policy(&self, rail: u16, dst_leaf: u32, pin: Option<u16>, seed: u64) -> Box<dyn PathPolicy> {
         let inner = &*self.inner;
         let key = (rail, dst_leaf, pin);
@@ -233,7 +251,7 @@ impl LbRuntime {
             PathKind::Ecmp => Box::new(Ecmp::new(seed)),
             PathKind::Reps => Box::new(Reps::new(inner.cfg.reps, seed)),
             PathKind::Pro => {
-                let sh = lock(&inner.pro).entry(key).or_insert_with(|| ProShared::shared(key_seed(inner.seed, &key) as u32)).clone();
+                let sh = lock(&inner.pro).entry(key).or_insert_with(|| ProShared::shared(self.pro_start(&key))).clone();
                 Box::new(Pro::new(sh))
             }
             PathKind::Dr => {
@@ -518,5 +536,50 @@ mod tests {
         let mut seen = std::collections::HashMap::new();
         out.iter().for_each(|&e| *seen.entry(e).or_insert(0) += 1);
         assert!(seen.len() == 16 && seen.values().all(|&c| c == 2), "{seen:?}");
+    }
+
+    /// The PRO walk of every sending host of leaf 0 of a 2 × `per_leaf` leaf-spine with `m` paths, each
+    /// host sending one flow to a host of leaf 1: `rounds` packets per host, in lockstep.
+    fn pro_rounds(start: &str, per_leaf: usize, m: u16, rounds: usize) -> Vec<Vec<u16>> {
+        let vars: std::collections::BTreeMap<String, String> =
+            [("PRISM_PATH", "pro"), ("PRISM_PRO_START", start)].iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
+        let cfg = LbConfig::from_vars(&vars).unwrap();
+        let topo = Topology::leaf_spine(2 * per_leaf, per_leaf, 1, m).unwrap();
+        let mut flows: Vec<Box<dyn PathPolicy>> = (0..per_leaf)
+            .map(|h| cfg.runtime(topo.clone(), h, 1000 + h as u64).unwrap().path_policy(FlowInfo { dst_host: per_leaf + h, rail: 0 }, 7))
+            .collect();
+        let ctx = PathCtx { msg: 0, offset: 0, n_paths: m, retransmit: false, avoid: None, now_us: 0 };
+        (0..rounds).map(|_| flows.iter_mut().map(|f| f.pick(&ctx)).collect()).collect()
+    }
+
+    #[test]
+    fn pro_rack_start_staggers_the_hosts_of_a_leaf_on_distinct_uplinks_every_round() {
+        // PRO's motivation (Fig. 2): in-phase senders under one ToR; with rack starts no two share an
+        // uplink in any round, as with the ideal round robin at the ToR.
+        for (per_leaf, m) in [(61usize, 64u16), (8, 8), (5, 8), (3, 4)] {
+            for (r, round) in pro_rounds("rack", per_leaf, m, 3 * m as usize).iter().enumerate() {
+                let mut u = round.clone();
+                u.sort_unstable();
+                u.dedup();
+                assert_eq!(u.len(), per_leaf, "{per_leaf} hosts, M = {m}, round {r}: {round:?}");
+            }
+        }
+    }
+
+    #[test]
+    fn pro_random_start_lets_hosts_of_a_leaf_collide_on_an_uplink() {
+        // What `rack` fixes: 61 independent starts over 64 paths (birthday problem) put two hosts on one
+        // uplink in lockstep, every round.
+        let rounds = pro_rounds("random", 61, 64, 4);
+        let mut u = rounds[0].clone();
+        u.sort_unstable();
+        u.dedup();
+        assert!(u.len() < 61, "{:?}", rounds[0]);
+        // Each host is still a full round robin (span 1): the collision persists.
+        for w in rounds.windows(2) {
+            for (a, b) in w[0].iter().zip(&w[1]) {
+                assert_eq!((a + 1) % 64, *b);
+            }
+        }
     }
 }

@@ -1,7 +1,7 @@
 //! PRO's counter and DR's pointer are shared per destination leaf by the runtime: flows to hosts under
 //! one leaf stagger or rotate together, flows to other leaves do not disturb them.
 
-use prism_lb::{FlowInfo, LbConfig, LbRuntime, PathCtx, PathKind, PathPolicy, Topology};
+use prism_lb::{FlowInfo, LbConfig, LbRuntime, PathCtx, PathKind, PathPolicy, ProStart, Topology};
 
 const SEED: u64 = 77;
 const M: u16 = 16;
@@ -88,10 +88,33 @@ fn dr_keeps_one_pointer_per_destination_leaf() {
 
 #[test]
 fn pro_and_dr_start_leaves_at_different_offsets() {
+    // PRO with random starts (`PRISM_PRO_START=random`); with `rack` starts see the next test.
     for path in [PathKind::Pro, PathKind::Dr] {
-        let rt = runtime(path);
+        let cfg = LbConfig { path, pro_start: ProStart::Random, ..LbConfig::default() };
+        let rt = cfg.runtime(Topology::leaf_spine(32, 8, 1, 16).unwrap(), 0, SEED).unwrap();
         let firsts: std::collections::HashSet<u16> =
             [1usize, 8, 16, 24].iter().map(|&h| rt.path_policy(FlowInfo { dst_host: h, rail: 0 }, 0).pick(&ctx())).collect();
         assert!(firsts.len() >= 3, "{path:?}: {firsts:?}");
     }
+}
+
+#[test]
+fn pro_rack_starts_put_a_hosts_flows_to_every_leaf_at_its_place_in_the_rack() {
+    // With `rack` starts a host's counters for every destination leaf start at the same place (its index
+    // in the rack after the rack's common shift), so the rack's hosts stay on distinct uplinks whatever
+    // leaf each sends to; two racks' shifts differ.
+    let topo = Topology::leaf_spine(32, 8, 1, 16).unwrap();
+    let cfg = LbConfig { path: PathKind::Pro, ..LbConfig::default() };
+    let first = |host: usize, dst: usize| {
+        cfg.runtime(topo.clone(), host, SEED + host as u64).unwrap().path_policy(FlowInfo { dst_host: dst, rail: 0 }, 0).pick(&ctx())
+    };
+    let base = first(0, 8);
+    for dst in [9usize, 16, 24] {
+        assert_eq!(first(0, dst), base, "host 0 to host {dst}");
+    }
+    for h in 1..8usize {
+        assert_eq!(first(h, 8 + (h * 5) % 24), (base + h as u16) % M, "host {h}");
+    }
+    let other_rack: std::collections::HashSet<u16> = (8..16usize).map(|h| first(h, 0)).collect();
+    assert_eq!(other_rack.len(), 8, "{other_rack:?}");
 }

@@ -34,6 +34,7 @@ pub const LB_VARS: &[&str] = &[
     "PRISM_MCC_TARGET_MSG_US",
     "PRISM_MCC_TARGET_PKT_US",
     "PRISM_PATH",
+    "PRISM_PRO_START",
     "PRISM_RAIL",
     "PRISM_REPS_EXPLORE",
     "PRISM_REPS_FREEZE_RTT",

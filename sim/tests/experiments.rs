@@ -105,6 +105,18 @@ fn seed_002_pro_keeps_the_largest_queue_far_below_random_spraying() {
 }
 
 #[test]
+fn seed_002_pro_keeps_the_tor_uplink_queue_a_tenth_of_random_sprayings_on_the_motivation_topology() {
+    // Fig. 2: in-phase senders under one ToR, spraying "up to 400 KB" vs round robin "< 40 KB".
+    let r = ci("002-pro-paper");
+    let up = |s: &str| r.first(s, false).expect("row").layer_max_queue["leaf->spine"];
+    let seed = r.runs[0].seed;
+    let (pro, spray) = (up("PRO"), up("random spray"));
+    assert!(pro * 10.0 <= spray, "seed {seed}: PRO {pro} B vs spray {spray} B");
+    assert!(pro < up("PRO, random start"), "seed {seed}: rack starts stagger the rack's hosts better than random ones");
+    assert!(up("ideal RR at ToR1") <= pro, "seed {seed}: the ideal switch round robin is the floor");
+}
+
+#[test]
 fn seed_003_mcc_keeps_throughput_under_partial_congestion_where_per_packet_cc_overreacts() {
     let r = ci("003-mcc");
     let (mcc, pkt) = (cct(&r, "REPS + MCC", true), cct(&r, "REPS + per-packet CC", true));

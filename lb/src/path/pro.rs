@@ -5,8 +5,12 @@
 //! each flow covers every path once per M packets (intra-flow round robin, downlinks).
 //!
 //! Readings: one span for all flows of a leaf, staggered by start offset (Algorithm 1, not the prose's
-//! per-QP spans; pitfall 1); C updated after every packet (pitfall 3); C starts at a random offset per
-//! leaf (pitfall 5). "Active flows" are the live policies of that leaf, which NCCL keeps for a
+//! per-QP spans; pitfall 1); C updated after every packet (pitfall 3); C starts, by default, at the
+//! host's place among the hosts of its rack plus a shift the rack shares (`PRISM_PRO_START=rack`, in the
+//! runtime; pitfall 5: the listing's C = 0 puts in-phase NICs on one uplink, and independent random
+//! starts, the proof's assumption, still let two hosts of a rack collide). "Active flows" are the live
+//! policies of that leaf (a connection end that only receives never picks a path, so never counts),
+//! which NCCL keeps for a
 //! communicator's lifetime (the paper relies on P being stable). Ours, for a host without PRO's switch
 //! fallback (§1.7): when M is not a power of two the stride is the smallest value ≥ P coprime with M
 //! (for M = 2^k that is exactly "P, +1 if even"), and dead paths are stepped over along the walk.
@@ -37,7 +41,7 @@ pub struct ProShared {
 }
 
 impl ProShared {
-    /// Shared state whose counter starts at `c0` (random per leaf in the runtime; 0 reproduces the
+    /// Shared state whose counter starts at `c0` (the runtime sets it from `PRISM_PRO_START`; 0 reproduces the
     /// paper's listing).
     pub fn new(c0: u32) -> Self {
         Self { c: c0, flows: 0, cached: (0, 0, 1) }
