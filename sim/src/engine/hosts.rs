@@ -29,6 +29,24 @@ impl PayloadSource for NoPayload {
     fn read(&mut self, _msg: MsgId, _offset: u64, _out: &mut [u8]) {}
 }
 
+/// A send posted to the protocol and not yet complete.
+struct PostedSend {
+    id: MsgId,
+    bytes: u64,
+    /// When its first packet went on the wire (MCC's message RTT starts here).
+    first_tx: Option<Ps>,
+}
+
+/// Whether a DATA packet with this PSN and message offset is the first transmission of a new message's
+/// first packet (`hi`: the highest PSN sent so far, updated). Retransmissions reuse their PSN.
+fn starts_message(hi: &mut Option<u64>, psn: u64, offset: u64) -> bool {
+    let new = hi.is_none_or(|h| psn > h);
+    if new {
+        *hi = Some(psn);
+    }
+    new && offset == 0
+}
+
 /// What the simulator keeps about one end of a connection, on one NIC. Kept apart from the end's
 /// `Connection` (in [`Hosts::conns`], same index): stale timers, deliveries and the NICs' round-robin
 /// read only these few bytes, which stay in cache, instead of a line of a large connection.
@@ -58,8 +76,10 @@ pub(super) struct Pair {
     ep_recv: u32,
     pub(super) pending_send: VecDeque<Piece>,
     pub(super) pending_recv: VecDeque<Piece>,
-    /// (message, bytes, posted at).
-    posted_send: VecDeque<(MsgId, u64, Ps)>,
+    /// Messages posted and not yet complete, in posting order (the order the protocol sends them).
+    posted_send: VecDeque<PostedSend>,
+    /// The highest PSN this pair's sender has put on the wire (a retransmission reuses its PSN).
+    sent_psn: Option<u64>,
     /// (message, transfer, bytes).
     posted_recv: VecDeque<(MsgId, u32, u64)>,
     out_bytes: u64,
@@ -166,6 +186,7 @@ impl Sim {
             pending_send: VecDeque::new(),
             pending_recv: VecDeque::new(),
             posted_send: VecDeque::new(),
+            sent_psn: None,
             posted_recv: VecDeque::new(),
             out_bytes: 0,
             rate,
@@ -232,7 +253,7 @@ impl Sim {
             match h.conns[p.ep_send as usize].post_send(piece.bytes, 0, now_us) {
                 Ok(id) => {
                     p.pending_send.pop_front();
-                    p.posted_send.push_back((id, piece.bytes, now));
+                    p.posted_send.push_back(PostedSend { id, bytes: piece.bytes, first_tx: None });
                     p.out_bytes += piece.bytes;
                     posted = true;
                 }
@@ -293,11 +314,15 @@ impl Sim {
         match c {
             Completion::Sent { msg, len } => {
                 let p = &mut self.hosts.pairs[pair as usize];
-                if let Some(i) = p.posted_send.iter().position(|x| x.0 == msg) {
-                    let (_, bytes, at) = p.posted_send.remove(i).expect("index from position");
-                    p.out_bytes -= bytes;
+                if let Some(i) = p.posted_send.iter().position(|x| x.id == msg) {
+                    let m = p.posted_send.remove(i).expect("index from position");
+                    p.out_bytes -= m.bytes;
                     if let Some(r) = &p.rate {
-                        locked(r).message_done(&MessageSample { bytes: len, sent_us: at / PS_PER_US, done_us: self.now / PS_PER_US });
+                        // MCC's message delay is the message's RTT: from its first packet on the wire to
+                        // its last byte acknowledged, not from the post (a message posted behind a window
+                        // of others waits for the NIC, which says nothing about the network).
+                        let sent = m.first_tx.unwrap_or(self.now);
+                        locked(r).message_done(&MessageSample { bytes: len, sent_us: sent / PS_PER_US, done_us: self.now / PS_PER_US });
                     }
                 }
                 self.pump_send(pair);
@@ -342,6 +367,15 @@ impl Sim {
             };
             let len = t.len;
             let data = matches!(Header::new_unchecked(&h.txbuf[..len]).packet_type(), Ok(PacketType::Data));
+            if data && e.sender && h.pairs[e.pair as usize].rate.is_some() {
+                let d = DataPacket::new_unchecked(&h.txbuf[..len]);
+                let p = &mut h.pairs[e.pair as usize];
+                if starts_message(&mut p.sent_psn, d.psn(), d.offset()) {
+                    if let Some(m) = p.posted_send.iter_mut().find(|m| m.first_tx.is_none()) {
+                        m.first_tx = Some(self.now);
+                    }
+                }
+            }
             // Only a DATA packet's header is kept; control packets are kept whole.
             let hdr_len = if data { DATA_HEADER_LEN } else { len };
             // Receives are posted one buffer at a time, so a CTS (the longest control packet) has 44 bytes.
@@ -418,5 +452,22 @@ impl Sim {
                 self.pump_send(pair);
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::starts_message;
+
+    #[test]
+    fn a_message_starts_at_the_first_transmission_of_its_offset_zero_packet_not_at_a_retransmission() {
+        let mut hi = None;
+        assert!(starts_message(&mut hi, 0, 0), "first packet of the first message");
+        assert!(!starts_message(&mut hi, 1, 4096));
+        assert!(!starts_message(&mut hi, 0, 0), "retransmitted first packet: same message");
+        assert!(starts_message(&mut hi, 2, 0), "next message");
+        assert!(!starts_message(&mut hi, 2, 0), "its retransmission");
+        assert!(!starts_message(&mut hi, 1, 4096), "an older retransmission");
+        assert_eq!(hi, Some(2));
     }
 }
