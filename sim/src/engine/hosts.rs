@@ -23,10 +23,14 @@ const RECV_AHEAD: usize = 48;
 /// Sends posted at once per connection.
 const SEND_AHEAD: usize = 48;
 
-/// The payload of a simulated send: its bytes are never looked at, so nothing is written.
-struct NoPayload;
+/// The payload of a simulated send: its bytes are never looked at, so nothing is written; it notes which
+/// message and offset the protocol last read (the DATA packet it is building).
+#[derive(Default)]
+struct NoPayload(Option<(MsgId, u64)>);
 impl PayloadSource for NoPayload {
-    fn read(&mut self, _msg: MsgId, _offset: u64, _out: &mut [u8]) {}
+    fn read(&mut self, msg: MsgId, offset: u64, _out: &mut [u8]) {
+        self.0 = Some((msg, offset));
+    }
 }
 
 /// A send posted to the protocol and not yet complete.
@@ -37,14 +41,14 @@ struct PostedSend {
     first_tx: Option<Ps>,
 }
 
-/// Whether a DATA packet with this PSN and message offset is the first transmission of a new message's
-/// first packet (`hi`: the highest PSN sent so far, updated). Retransmissions reuse their PSN.
-fn starts_message(hi: &mut Option<u64>, psn: u64, offset: u64) -> bool {
-    let new = hi.is_none_or(|h| psn > h);
-    if new {
-        *hi = Some(psn);
+/// A DATA packet of `msg` at `offset` went on the wire at `now`: if it is the message's first packet
+/// and the first time it is sent (a retransmission finds the message stamped), stamp the message.
+fn note_first_tx(posted: &mut VecDeque<PostedSend>, msg: MsgId, offset: u64, now: Ps) {
+    if offset == 0 {
+        if let Some(m) = posted.iter_mut().find(|m| m.id == msg && m.first_tx.is_none()) {
+            m.first_tx = Some(now);
+        }
     }
-    new && offset == 0
 }
 
 /// What the simulator keeps about one end of a connection, on one NIC. Kept apart from the end's
@@ -78,8 +82,6 @@ pub(super) struct Pair {
     pub(super) pending_recv: VecDeque<Piece>,
     /// Messages posted and not yet complete, in posting order (the order the protocol sends them).
     posted_send: VecDeque<PostedSend>,
-    /// The highest PSN this pair's sender has put on the wire (a retransmission reuses its PSN).
-    sent_psn: Option<u64>,
     /// (message, transfer, bytes).
     posted_recv: VecDeque<(MsgId, u32, u64)>,
     out_bytes: u64,
@@ -186,7 +188,6 @@ impl Sim {
             pending_send: VecDeque::new(),
             pending_recv: VecDeque::new(),
             posted_send: VecDeque::new(),
-            sent_psn: None,
             posted_recv: VecDeque::new(),
             out_bytes: 0,
             rate,
@@ -361,19 +362,17 @@ impl Sim {
                     }
                 }
             }
-            let Some(t) = conn.poll_transmit(now_us, &mut NoPayload, &mut h.txbuf) else {
+            let mut payload = NoPayload::default();
+            let Some(t) = conn.poll_transmit(now_us, &mut payload, &mut h.txbuf) else {
                 e.in_ready = false;
                 continue;
             };
             let len = t.len;
             let data = matches!(Header::new_unchecked(&h.txbuf[..len]).packet_type(), Ok(PacketType::Data));
-            if data && e.sender && h.pairs[e.pair as usize].rate.is_some() {
-                let d = DataPacket::new_unchecked(&h.txbuf[..len]);
+            if let (true, Some((msg, offset))) = (e.sender, payload.0) {
                 let p = &mut h.pairs[e.pair as usize];
-                if starts_message(&mut p.sent_psn, d.psn(), d.offset()) {
-                    if let Some(m) = p.posted_send.iter_mut().find(|m| m.first_tx.is_none()) {
-                        m.first_tx = Some(self.now);
-                    }
+                if p.rate.is_some() {
+                    note_first_tx(&mut p.posted_send, msg, offset, self.now);
                 }
             }
             // Only a DATA packet's header is kept; control packets are kept whole.
@@ -457,17 +456,21 @@ impl Sim {
 
 #[cfg(test)]
 mod tests {
-    use super::starts_message;
+    use super::*;
 
     #[test]
-    fn a_message_starts_at_the_first_transmission_of_its_offset_zero_packet_not_at_a_retransmission() {
-        let mut hi = None;
-        assert!(starts_message(&mut hi, 0, 0), "first packet of the first message");
-        assert!(!starts_message(&mut hi, 1, 4096));
-        assert!(!starts_message(&mut hi, 0, 0), "retransmitted first packet: same message");
-        assert!(starts_message(&mut hi, 2, 0), "next message");
-        assert!(!starts_message(&mut hi, 2, 0), "its retransmission");
-        assert!(!starts_message(&mut hi, 1, 4096), "an older retransmission");
-        assert_eq!(hi, Some(2));
+    fn a_message_is_stamped_by_the_first_transmission_of_its_first_packet_only() {
+        let (a, b) = (MsgId(1), MsgId(2));
+        let mut posted: VecDeque<PostedSend> = [a, b].into_iter().map(|id| PostedSend { id, bytes: 65536, first_tx: None }).collect();
+        note_first_tx(&mut posted, a, 4096, 5);
+        assert_eq!(posted[0].first_tx, None, "not its first packet");
+        note_first_tx(&mut posted, a, 0, 10);
+        note_first_tx(&mut posted, a, 0, 30);
+        assert_eq!(posted[0].first_tx, Some(10), "a retransmission of the first packet does not move the stamp");
+        assert_eq!(posted[1].first_tx, None, "the next message is not stamped by the first one's packets");
+        note_first_tx(&mut posted, b, 0, 40);
+        assert_eq!(posted[1].first_tx, Some(40));
+        note_first_tx(&mut posted, MsgId(9), 0, 50);
+        assert!(posted.iter().all(|m| m.first_tx != Some(50)), "an unknown message stamps nothing");
     }
 }
