@@ -317,13 +317,19 @@ impl Sim {
                 let p = &mut self.hosts.pairs[pair as usize];
                 if let Some(i) = p.posted_send.iter().position(|x| x.id == msg) {
                     let m = p.posted_send.remove(i).expect("index from position");
+                    let in_flight = p.out_bytes;
                     p.out_bytes -= m.bytes;
                     if let Some(r) = &p.rate {
                         // MCC's message delay is the message's RTT: from its first packet on the wire to
                         // its last byte acknowledged, not from the post (a message posted behind a window
                         // of others waits for the NIC, which says nothing about the network).
                         let sent = m.first_tx.unwrap_or(self.now);
-                        locked(r).message_done(&MessageSample { bytes: len, sent_us: sent / PS_PER_US, done_us: self.now / PS_PER_US });
+                        locked(r).message_done(&MessageSample {
+                            bytes: len,
+                            sent_us: sent / PS_PER_US,
+                            done_us: self.now / PS_PER_US,
+                            in_flight,
+                        });
                     }
                 }
                 self.pump_send(pair);
