@@ -46,7 +46,10 @@ impl Default for MccParams {
             init_window: 1 << 20,
             min_window: 64 << 10,
             max_window: 64 << 20,
-            ai_bytes: 64 << 10,
+            // Same ablation: with the 100 µs target, 256 KiB per window beats 64 KiB under global
+            // congestion and under host spraying (the window regains the sender's demand sooner after
+            // a cut) and changes nothing under partial congestion.
+            ai_bytes: 256 << 10,
             md_permille: 500,
         }
     }
@@ -205,8 +208,8 @@ mod tests {
         let w = m.window_bytes();
         one_message(&mut m, 200, [2, 2, 2, 2], 0);
         assert_eq!(m.state(), Congestion::None);
-        // 4 MiB completed over a 1 MiB window: 4 windows' worth, +4 × 64 KiB.
-        assert_eq!(m.window_bytes(), w + 4 * (64 << 10));
+        // 4 MiB completed over a 1 MiB window: 4 windows' worth, +4 × AI.
+        assert_eq!(m.window_bytes(), w + 4 * MccParams::default().ai_bytes);
     }
 
     #[test]
