@@ -460,6 +460,6 @@ mod tests {
         let d = c.describe();
         assert!(d.contains("path=reps(freeze_us=10000,explore=16,freeze_rtt=1.65)"), "{d}");
         assert!(d.contains("split=ethereal(batch_us=0,jitter_us=2,reset_us=10000)"), "{d}");
-        assert!(d.contains("cc=mcc(target_msg_us=200"), "{d}");
+        assert!(d.contains("cc=mcc(target_msg_us=100"), "{d}");
     }
 }

@@ -118,11 +118,14 @@ fn seed_002_pro_keeps_the_tor_uplink_queue_a_tenth_of_random_sprayings_on_the_mo
 
 #[test]
 fn seed_003_mcc_keeps_throughput_under_partial_congestion_where_per_packet_cc_overreacts() {
+    // Switch adaptive routing over 4 paths, one at 60 % (the slides' partial congestion): the per-packet
+    // window halves on the slow path's marks and the reordering that AR causes, MCC's message delays stay
+    // under target. The slides: at least 16 % lower CCT.
     let r = ci("003-mcc");
-    let (mcc, pkt) = (cct(&r, "REPS + MCC", true), cct(&r, "REPS + per-packet CC", true));
-    // (Per-packet CC's gap narrowed from over 10 % to about 8 % once losses were recovered in round
-    // trips instead of by RTOs: part of MCC's advantage was per-packet CC's timeouts.)
-    assert!(mcc < 0.95 * pkt, "seed {}: MCC {mcc} µs vs per-packet CC {pkt} µs", r.runs[0].seed);
+    let (mcc, pkt, none) = (cct(&r, "AR + MCC", true), cct(&r, "AR + per-packet CC", true), cct(&r, "AR, no CC", true));
+    let seed = r.runs[0].seed;
+    assert!(mcc < 0.84 * pkt, "seed {seed}: MCC {mcc} µs vs per-packet CC {pkt} µs");
+    assert!(mcc < 1.05 * none, "seed {seed}: MCC {mcc} µs keeps the pipe as full as no CC ({none} µs)");
 }
 
 #[test]

@@ -35,6 +35,9 @@ pub struct MessageSample {
     pub sent_us: u64,
     /// When its last byte was acknowledged, µs.
     pub done_us: u64,
+    /// Bytes the flow had in flight when it completed, this message included (how much of the window
+    /// was used: a window that was not the limit says nothing about whether it could grow).
+    pub in_flight: u64,
 }
 
 /// A per-flow rate controller.

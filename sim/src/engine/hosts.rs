@@ -23,10 +23,32 @@ const RECV_AHEAD: usize = 48;
 /// Sends posted at once per connection.
 const SEND_AHEAD: usize = 48;
 
-/// The payload of a simulated send: its bytes are never looked at, so nothing is written.
-struct NoPayload;
+/// The payload of a simulated send: its bytes are never looked at, so nothing is written; it notes which
+/// message and offset the protocol last read (the DATA packet it is building).
+#[derive(Default)]
+struct NoPayload(Option<(MsgId, u64)>);
 impl PayloadSource for NoPayload {
-    fn read(&mut self, _msg: MsgId, _offset: u64, _out: &mut [u8]) {}
+    fn read(&mut self, msg: MsgId, offset: u64, _out: &mut [u8]) {
+        self.0 = Some((msg, offset));
+    }
+}
+
+/// A send posted to the protocol and not yet complete.
+struct PostedSend {
+    id: MsgId,
+    bytes: u64,
+    /// When its first packet went on the wire (MCC's message RTT starts here).
+    first_tx: Option<Ps>,
+}
+
+/// A DATA packet of `msg` at `offset` went on the wire at `now`: if it is the message's first packet
+/// and the first time it is sent (a retransmission finds the message stamped), stamp the message.
+fn note_first_tx(posted: &mut VecDeque<PostedSend>, msg: MsgId, offset: u64, now: Ps) {
+    if offset == 0 {
+        if let Some(m) = posted.iter_mut().find(|m| m.id == msg && m.first_tx.is_none()) {
+            m.first_tx = Some(now);
+        }
+    }
 }
 
 /// What the simulator keeps about one end of a connection, on one NIC. Kept apart from the end's
@@ -58,8 +80,8 @@ pub(super) struct Pair {
     ep_recv: u32,
     pub(super) pending_send: VecDeque<Piece>,
     pub(super) pending_recv: VecDeque<Piece>,
-    /// (message, bytes, posted at).
-    posted_send: VecDeque<(MsgId, u64, Ps)>,
+    /// Messages posted and not yet complete, in posting order (the order the protocol sends them).
+    posted_send: VecDeque<PostedSend>,
     /// (message, transfer, bytes).
     posted_recv: VecDeque<(MsgId, u32, u64)>,
     out_bytes: u64,
@@ -232,7 +254,7 @@ impl Sim {
             match h.conns[p.ep_send as usize].post_send(piece.bytes, 0, now_us) {
                 Ok(id) => {
                     p.pending_send.pop_front();
-                    p.posted_send.push_back((id, piece.bytes, now));
+                    p.posted_send.push_back(PostedSend { id, bytes: piece.bytes, first_tx: None });
                     p.out_bytes += piece.bytes;
                     posted = true;
                 }
@@ -293,11 +315,21 @@ impl Sim {
         match c {
             Completion::Sent { msg, len } => {
                 let p = &mut self.hosts.pairs[pair as usize];
-                if let Some(i) = p.posted_send.iter().position(|x| x.0 == msg) {
-                    let (_, bytes, at) = p.posted_send.remove(i).expect("index from position");
-                    p.out_bytes -= bytes;
+                if let Some(i) = p.posted_send.iter().position(|x| x.id == msg) {
+                    let m = p.posted_send.remove(i).expect("index from position");
+                    let in_flight = p.out_bytes;
+                    p.out_bytes -= m.bytes;
                     if let Some(r) = &p.rate {
-                        locked(r).message_done(&MessageSample { bytes: len, sent_us: at / PS_PER_US, done_us: self.now / PS_PER_US });
+                        // MCC's message delay is the message's RTT: from its first packet on the wire to
+                        // its last byte acknowledged, not from the post (a message posted behind a window
+                        // of others waits for the NIC, which says nothing about the network).
+                        let sent = m.first_tx.unwrap_or(self.now);
+                        locked(r).message_done(&MessageSample {
+                            bytes: len,
+                            sent_us: sent / PS_PER_US,
+                            done_us: self.now / PS_PER_US,
+                            in_flight,
+                        });
                     }
                 }
                 self.pump_send(pair);
@@ -336,12 +368,19 @@ impl Sim {
                     }
                 }
             }
-            let Some(t) = conn.poll_transmit(now_us, &mut NoPayload, &mut h.txbuf) else {
+            let mut payload = NoPayload::default();
+            let Some(t) = conn.poll_transmit(now_us, &mut payload, &mut h.txbuf) else {
                 e.in_ready = false;
                 continue;
             };
             let len = t.len;
             let data = matches!(Header::new_unchecked(&h.txbuf[..len]).packet_type(), Ok(PacketType::Data));
+            if let (true, Some((msg, offset))) = (e.sender, payload.0) {
+                let p = &mut h.pairs[e.pair as usize];
+                if p.rate.is_some() {
+                    note_first_tx(&mut p.posted_send, msg, offset, self.now);
+                }
+            }
             // Only a DATA packet's header is kept; control packets are kept whole.
             let hdr_len = if data { DATA_HEADER_LEN } else { len };
             // Receives are posted one buffer at a time, so a CTS (the longest control packet) has 44 bytes.
@@ -418,5 +457,26 @@ impl Sim {
                 self.pump_send(pair);
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_message_is_stamped_by_the_first_transmission_of_its_first_packet_only() {
+        let (a, b) = (MsgId(1), MsgId(2));
+        let mut posted: VecDeque<PostedSend> = [a, b].into_iter().map(|id| PostedSend { id, bytes: 65536, first_tx: None }).collect();
+        note_first_tx(&mut posted, a, 4096, 5);
+        assert_eq!(posted[0].first_tx, None, "not its first packet");
+        note_first_tx(&mut posted, a, 0, 10);
+        note_first_tx(&mut posted, a, 0, 30);
+        assert_eq!(posted[0].first_tx, Some(10), "a retransmission of the first packet does not move the stamp");
+        assert_eq!(posted[1].first_tx, None, "the next message is not stamped by the first one's packets");
+        note_first_tx(&mut posted, b, 0, 40);
+        assert_eq!(posted[1].first_tx, Some(40));
+        note_first_tx(&mut posted, MsgId(9), 0, 50);
+        assert!(posted.iter().all(|m| m.first_tx != Some(50)), "an unknown message stamps nothing");
     }
 }

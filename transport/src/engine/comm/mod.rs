@@ -389,7 +389,10 @@ impl CommCore {
             let (msg, outcome) = match c {
                 Completion::Sent { msg, len } => {
                     if let Some(sent_us) = self.lb.posted_at.remove(&msg) {
-                        let sample = prism_lb::MessageSample { bytes: len, sent_us, done_us: now };
+                        // The window is applied as proto's packet window: packets in flight, in bytes.
+                        let pkts: u64 = self.conn.stats().paths.iter().map(|p| u64::from(p.in_flight)).sum();
+                        let in_flight = pkts * self.net.proto.max_payload as u64 + len;
+                        let sample = prism_lb::MessageSample { bytes: len, sent_us, done_us: now, in_flight };
                         self.lb.rate.lock().message_done(&sample);
                     }
                     (msg, Outcome::Sent(len))
