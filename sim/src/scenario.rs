@@ -312,24 +312,59 @@ pub enum AllReduceAlgo {
 pub enum MoeDistribution {
     /// Every GPU sends the same to every other GPU.
     Uniform,
-    /// Top-k gating onto a subset of active experts: a fraction `sparsity` of the GPUs receive nothing,
-    /// every token goes to `k` of the active ones.
+    /// Top-k gating onto a subset of active experts (one expert per GPU): a fraction `sparsity` of the
+    /// expert columns receive nothing, every token goes to `k` distinct active experts.
     Sparse {
         /// Experts per token.
         k: usize,
         /// Fraction of GPUs whose experts get no tokens.
         sparsity: f64,
+        /// Where the idle experts are.
+        #[serde(default)]
+        placement: SparsePlacement,
+        /// Bytes of one token's activation; 0: a fluid matrix (every sender splits its bytes evenly
+        /// over the active experts of the other hosts) instead of per-token top-k draws.
+        #[serde(default)]
+        token_bytes: u64,
     },
-    /// Sender-skewed: GPU volumes follow Zipf(`s`) over a random ranking.
+    /// Sender-skewed: GPU volumes (token counts) follow Zipf(`s`) over a random ranking.
     SenderZipf {
         /// Zipf exponent.
         s: f64,
+        /// Bytes of one token (per-token uniform top-`k` gating); 0: fluid.
+        #[serde(default)]
+        token_bytes: u64,
+        /// Experts per token when `token_bytes` > 0.
+        #[serde(default = "default_k")]
+        k: usize,
     },
     /// Receiver-skewed: destination popularity follows Zipf(`s`) (incast onto hot experts).
     ReceiverZipf {
         /// Zipf exponent.
         s: f64,
+        /// Bytes of one token (per-token top-`k` gating drawn by popularity); 0: fluid.
+        #[serde(default)]
+        token_bytes: u64,
+        /// Experts per token when `token_bytes` > 0.
+        #[serde(default = "default_k")]
+        k: usize,
     },
+}
+
+fn default_k() -> usize {
+    2
+}
+
+/// Where a sparse MoE workload's idle experts sit.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum SparsePlacement {
+    /// Drawn at random among all GPUs (a host may keep all or none of its experts active).
+    #[default]
+    Random,
+    /// Every host keeps `round((1 − sparsity) · rails)` active experts, at random positions: the
+    /// sparsity is column-wise within each compute domain, so every domain receives the same bytes.
+    PerHost,
 }
 
 /// One explicit flow.
@@ -411,6 +446,12 @@ pub struct SchemeSpec {
     /// Bytes per posted send when a rate controller gates messages (MCC's 64 KB message chunks).
     #[serde(default = "default_msg_chunk")]
     pub msg_chunk: u64,
+    /// GPU-to-GPU (MoE) workloads: every chunk lands on the destination GPU's own NIC, whichever local
+    /// NIC the rail policy sent it from (crossing rails through the spines), instead of the same rail
+    /// on the destination (rail-aligned). Models a multipath scheme that sprays over the sender's NICs
+    /// but knows nothing of rails. `PRISM_RAIL=single` always delivers this way.
+    #[serde(default)]
+    pub deliver_to_gpu_nic: bool,
 }
 
 fn default_flowlet_gap() -> f64 {

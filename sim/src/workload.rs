@@ -2,9 +2,9 @@
 //! once every transfer it depends on has arrived, so a collective's step starts when its inputs are in.
 //! Zero-byte transfers from a host to itself are gates (barriers) that keep dependency lists short.
 
-use rand::{rngs::SmallRng, seq::SliceRandom};
+use rand::{rngs::SmallRng, seq::SliceRandom, Rng};
 
-use crate::scenario::{invalid, AllReduceAlgo, MoeDistribution, ScenarioError, WorkloadSpec};
+use crate::scenario::{invalid, AllReduceAlgo, MoeDistribution, ScenarioError, SparsePlacement, WorkloadSpec};
 
 /// One transfer.
 #[derive(Debug, Clone, PartialEq)]
@@ -252,6 +252,47 @@ fn zipf_weights(n: usize, s: f64, rng: &mut SmallRng) -> Vec<f64> {
     w.iter().map(|x| x * n as f64 / sum).collect()
 }
 
+/// Per-token top-k gating: GPU i has `tokens[i]` tokens, each sent to `k` distinct experts drawn with
+/// probability proportional to `weight` (one expert per GPU); adds the copies' bytes to `b[i][j]`.
+fn by_tokens(
+    b: &mut [Vec<u64>],
+    tokens: &[u64],
+    weight: &[f64],
+    k: usize,
+    token_bytes: u64,
+    rng: &mut SmallRng,
+) -> Result<(), ScenarioError> {
+    let g = weight.len();
+    if k == 0 || weight.iter().filter(|&&w| w > 0.0).count() < k {
+        return Err(invalid("workload.distribution.k", format!("{k}: needs at least k experts with tokens")));
+    }
+    let cum: Vec<f64> = weight
+        .iter()
+        .scan(0.0, |a, &w| {
+            *a += w;
+            Some(*a)
+        })
+        .collect();
+    let total = cum[g - 1];
+    let mut chosen = Vec::with_capacity(k);
+    for (i, &n) in tokens.iter().enumerate() {
+        for _ in 0..n {
+            chosen.clear();
+            while chosen.len() < k {
+                let u = rng.gen::<f64>() * total;
+                let j = cum.partition_point(|&c| c <= u).min(g - 1);
+                if weight[j] > 0.0 && !chosen.contains(&j) {
+                    chosen.push(j);
+                }
+            }
+            for &j in &chosen {
+                b[i][j] += token_bytes;
+            }
+        }
+    }
+    Ok(())
+}
+
 /// MoE all-to-all among `hosts · rails` GPUs (GPU g on host g / rails, rail g % rails); traffic between
 /// GPUs of one host stays on NVLink and is left out.
 fn moe(
@@ -263,7 +304,10 @@ fn moe(
     rng: &mut SmallRng,
 ) -> Result<(), ScenarioError> {
     let g = hosts * rails;
-    // m[i][j]: fraction of GPU i's `bytes` that goes to GPU j.
+    // b[i][j]: bytes GPU i sends to GPU j.
+    let mut b = vec![vec![0u64; g]; g];
+    let tokens_per_gpu = |k: usize, token_bytes: u64| (bytes / (k as u64 * token_bytes)).max(1);
+    // m[i][j]: fraction of GPU i's `bytes` that goes to GPU j (fluid distributions).
     let mut m = vec![vec![0.0f64; g]; g];
     match dist {
         MoeDistribution::Uniform => {
@@ -275,38 +319,69 @@ fn moe(
                 }
             }
         }
-        MoeDistribution::Sparse { k, sparsity } => {
+        MoeDistribution::Sparse { k, sparsity, placement, token_bytes } => {
             if !(0.0..1.0).contains(sparsity) {
                 return Err(invalid("workload.distribution.sparsity", "must be in [0, 1)"));
             }
-            let active_n = (((1.0 - sparsity) * g as f64).round() as usize).clamp((*k).max(1), g);
-            let mut all: Vec<usize> = (0..g).collect();
-            all.shuffle(rng);
-            let active = &all[..active_n];
-            for (i, row) in m.iter_mut().enumerate() {
-                let targets: Vec<usize> = active.iter().copied().filter(|&j| j != i).collect();
-                for &j in &targets {
-                    row[j] = 1.0 / targets.len() as f64;
+            let active: Vec<usize> = match placement {
+                SparsePlacement::Random => {
+                    let active_n = (((1.0 - sparsity) * g as f64).round() as usize).clamp((*k).max(1), g);
+                    let mut all: Vec<usize> = (0..g).collect();
+                    all.shuffle(rng);
+                    all.truncate(active_n);
+                    all
                 }
-            }
-        }
-        MoeDistribution::SenderZipf { s } => {
-            let w = zipf_weights(g, *s, rng);
-            for (i, row) in m.iter_mut().enumerate() {
-                for (j, x) in row.iter_mut().enumerate() {
-                    if i != j {
-                        *x = w[i] / (g - 1) as f64;
+                SparsePlacement::PerHost => {
+                    let per = (((1.0 - sparsity) * rails as f64).round() as usize).clamp(1, rails);
+                    let mut active = Vec::with_capacity(per * hosts);
+                    for h in 0..hosts {
+                        let mut pos: Vec<usize> = (0..rails).collect();
+                        pos.shuffle(rng);
+                        active.extend(pos[..per].iter().map(|&r| h * rails + r));
+                    }
+                    active
+                }
+            };
+            if *token_bytes > 0 {
+                let mut w = vec![0.0; g];
+                active.iter().for_each(|&j| w[j] = 1.0);
+                by_tokens(&mut b, &vec![tokens_per_gpu(*k, *token_bytes); g], &w, *k, *token_bytes, rng)?;
+            } else {
+                for (i, row) in m.iter_mut().enumerate() {
+                    let targets: Vec<usize> = active.iter().copied().filter(|&j| j != i).collect();
+                    for &j in &targets {
+                        row[j] = 1.0 / targets.len() as f64;
                     }
                 }
             }
         }
-        MoeDistribution::ReceiverZipf { s } => {
+        MoeDistribution::SenderZipf { s, token_bytes, k } => {
             let w = zipf_weights(g, *s, rng);
-            for (i, row) in m.iter_mut().enumerate() {
-                let sum: f64 = (0..g).filter(|&j| j != i).map(|j| w[j]).sum();
-                for (j, x) in row.iter_mut().enumerate() {
-                    if i != j {
-                        *x = w[j] / sum;
+            if *token_bytes > 0 {
+                let n = tokens_per_gpu(*k, *token_bytes) as f64;
+                let tokens: Vec<u64> = w.iter().map(|x| (x * n).round() as u64).collect();
+                by_tokens(&mut b, &tokens, &vec![1.0; g], *k, *token_bytes, rng)?;
+            } else {
+                for (i, row) in m.iter_mut().enumerate() {
+                    for (j, x) in row.iter_mut().enumerate() {
+                        if i != j {
+                            *x = w[i] / (g - 1) as f64;
+                        }
+                    }
+                }
+            }
+        }
+        MoeDistribution::ReceiverZipf { s, token_bytes, k } => {
+            let w = zipf_weights(g, *s, rng);
+            if *token_bytes > 0 {
+                by_tokens(&mut b, &vec![tokens_per_gpu(*k, *token_bytes); g], &w, *k, *token_bytes, rng)?;
+            } else {
+                for (i, row) in m.iter_mut().enumerate() {
+                    let sum: f64 = (0..g).filter(|&j| j != i).map(|j| w[j]).sum();
+                    for (j, x) in row.iter_mut().enumerate() {
+                        if i != j {
+                            *x = w[j] / sum;
+                        }
                     }
                 }
             }
@@ -314,12 +389,16 @@ fn moe(
     }
     for (i, row) in m.iter().enumerate() {
         for (j, &f) in row.iter().enumerate() {
+            b[i][j] += (f * bytes as f64).round() as u64;
+        }
+    }
+    for (i, row) in b.iter().enumerate() {
+        for (j, &n) in row.iter().enumerate() {
             let (hi, hj) = (i / rails, j / rails);
-            let b = (f * bytes as f64).round() as u64;
-            if hi == hj || b == 0 {
+            if hi == hj || n == 0 {
                 continue;
             }
-            let mut tr = t(hi, hj, b, vec![]);
+            let mut tr = t(hi, hj, n, vec![]);
             tr.home_rail = (i % rails) as u16;
             tr.dst_rail = Some((j % rails) as u16);
             v.push(tr);
@@ -435,6 +514,24 @@ mod tests {
         let from_gpu0: u64 = v.iter().filter(|t| t.src == 0 && t.home_rail == 0).map(|t| t.bytes).sum();
         assert_eq!(from_gpu0, 12 * (1_270_000f64 / 15.0).round() as u64);
         assert!(v.iter().all(|t| t.src != t.dst && t.dst_rail.is_some()));
+    }
+
+    #[test]
+    fn per_host_sparse_top2_gives_every_host_the_same_active_experts_and_tokens_reach_k_of_them() {
+        let spec = r#"{"kind":"moe","bytes":1048576,"distribution":{"kind":"sparse","k":2,"sparsity":0.6,"placement":"per_host","token_bytes":8192}}"#;
+        let v = gen(spec, 8, 8);
+        // 64 GPUs, round(0.4 · 8) = 3 active experts on every host.
+        let mut recv = std::collections::BTreeMap::new();
+        for tr in &v {
+            *recv.entry((tr.dst, tr.dst_rail.unwrap())).or_insert(0u64) += tr.bytes;
+        }
+        for h in 0..8u32 {
+            assert_eq!(recv.keys().filter(|(d, _)| *d == h).count(), 3, "seed {SEED}: host {h}: {recv:?}");
+        }
+        // 64 tokens per GPU, 2 copies each, 8 KiB: the copies to other hosts' experts are on the wire.
+        let per_gpu: u64 = v.iter().filter(|t| t.src == 0 && t.home_rail == 0).map(|t| t.bytes).sum();
+        assert!(per_gpu <= 1_048_576 && per_gpu.is_multiple_of(8192) && per_gpu > 1_048_576 / 2, "seed {SEED}: {per_gpu}");
+        assert!(v.iter().all(|t| t.bytes.is_multiple_of(8192) && t.src != t.dst));
     }
 
     #[test]

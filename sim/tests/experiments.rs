@@ -142,6 +142,29 @@ fn seed_004_lpt_rails_beat_single_rail_ecmp_and_reps_under_skew_and_sparsity() {
 }
 
 #[test]
+fn seed_004_sparse_gain_is_the_active_expert_share_and_a_rail_unaware_reps_gains_only_under_sender_skew() {
+    // Sparse 0.6 on 4 rails: 2 active experts per host, so the busiest receive NIC of the single-NIC
+    // baselines carries 4/2 = 2× what RailS puts on any NIC.
+    let r = ci("004-rails-sparse");
+    let seed = r.runs[0].seed;
+    let lpt = cct(&r, "RailS (LPT)", false);
+    for base in ["ECMP", "REPS", "REPS (all NICs)"] {
+        let b = cct(&r, base, false);
+        assert!(b / lpt > 1.8, "sparse seed {seed}: RailS/{base} = {}", b / lpt);
+    }
+    let reps = r.first("REPS", false).expect("row");
+    assert_eq!(reps.timeouts, 0.0, "sparse seed {seed}: REPS timed out without losses");
+    // The paper's REPS matches RailS under sender skew (the senders' NICs are the bottleneck and it
+    // sprays over them) and not under receiver skew (it lands on the hot GPU's NIC).
+    let r = ci("004-rails-sender-skew");
+    let (lpt, all) = (cct(&r, "RailS (LPT)", false), cct(&r, "REPS (all NICs)", false));
+    assert!(all < 1.1 * lpt, "sender skew seed {}: REPS (all NICs) {all} µs vs RailS {lpt} µs", r.runs[0].seed);
+    let r = ci("004-rails-receiver-skew");
+    let (lpt, all) = (cct(&r, "RailS (LPT)", false), cct(&r, "REPS (all NICs)", false));
+    assert!(all > 1.5 * lpt, "receiver skew seed {}: REPS (all NICs) {all} µs vs RailS {lpt} µs", r.runs[0].seed);
+}
+
+#[test]
 fn seed_004_lpt_rails_match_the_baselines_on_uniform_traffic() {
     let r = ci("004-rails-uniform");
     let lpt = cct(&r, "RailS (LPT)", false);

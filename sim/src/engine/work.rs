@@ -222,6 +222,7 @@ impl Sim {
                     // GPU-bound NICs without rail alignment: the data lands on the destination GPU's
                     // NIC, crossing rails through the spines (RailS's baselines).
                     (Some(r), RailKind::Single) => r,
+                    (Some(r), _) if self.hosts.scheme.deliver_to_gpu_nic => r,
                     _ => rail,
                 };
                 let pin = (pin != u32::MAX).then_some(pin as u16);
