@@ -359,13 +359,11 @@ impl Sim {
             let conn = &mut h.conns[ep as usize];
             if h.aimd && e.sender {
                 if let Some(a) = &h.pairs[e.pair as usize].aimd {
-                    let cwnd = locked(a).window_pkts();
-                    let in_flight: u32 = conn.stats().paths.iter().map(|p| p.in_flight).sum();
-                    if in_flight >= cwnd {
-                        // Woken again by the next acknowledgement.
-                        e.in_ready = false;
-                        continue;
-                    }
+                    // The window limits new data as the plugin applies a rate controller's window (the
+                    // connection's packet window), never the tail-loss probe, a retransmission that
+                    // replaces a lost packet or control packets: gating the whole connection held a
+                    // probe back until an RTO once every packet in flight was lost.
+                    conn.set_window_pkts(locked(a).window_pkts());
                 }
             }
             let mut payload = NoPayload::default();
