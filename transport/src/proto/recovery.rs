@@ -22,10 +22,11 @@
 //! probe: new data if there is some (beyond the window), else the newest packet in flight again, on
 //! another path. The timeout is two smoothed RTTs (plus the receiver's SACK delay unless the last
 //! packet ended a message), or twice the time what is in flight (sent after the newest transmission
-//! acknowledged) needs to drain at the measured delivery rate plus a minimum RTT, if that is shorter: a connection that sends its window at once
-//! measures RTTs that are mostly its own queue, and a packet sent after the queue drained (a
-//! retransmission, a message's end) is due long before two such RTTs (a 1 MiB message at 1 GB/s with
-//! 5 % loss took 2.65 times as long as without loss with two SRTTs, 1.2 times with this). Its
+//! acknowledged) needs to drain at the measured delivery rate plus a minimum RTT, if that is
+//! shorter: a connection that sends its window at once measures RTTs that are mostly its own queue,
+//! and a packet sent after the queue drained (a retransmission, a message's end) is due long before
+//! two such RTTs (a 1 MiB message at 1 GB/s with 5 % loss took 2.65 times as long as without loss
+//! with two SRTTs, 1.2 times with this). Its
 //! acknowledgement is a reference sent after everything before it, so the time-based rule finds the
 //! rest of the tail lost; recovery takes about two RTTs. While the silence lasts, further probes
 //! follow at doubling intervals (RFC 8985 sends one and leaves the rest to the RTO; a sprayed
@@ -373,7 +374,8 @@ impl Connection {
             let (suspect_due, due, count_from) = self.expected_at(rec, reo);
             let (entropy, sent_at) = (rec.entropy, rec.sent_at);
             // RFC 8985's duplicate threshold, which (as there) skips the window only while no
-            // reordering was seen lately: no spurious loss, no packet overtaken on its own path.
+            // reordering was seen lately: no spurious loss, no packet acknowledged after one sent
+            // later.
             let counted = reordering_unseen && tx_seq + u64::from(self.tx.reorder_threshold) < self.tx.acked_tx_end;
             if due <= now {
                 self.declare_lost(psn, now, LossCause::Time);
