@@ -270,6 +270,18 @@ impl Connection {
         tx.last_spurious_at = self.now;
     }
 
+    /// Start a new measuring period for the largest lateness and delivery rate every `REO_RESET_RTTS`
+    /// smoothed RTTs (each is the larger of the current and the previous period's).
+    fn roll_measuring_period(&mut self) {
+        let srtt = self.ctl_rtt.srtt_us().unwrap_or(0);
+        let tx = &mut self.tx;
+        if self.now.saturating_sub(tx.reo_late_since) > REO_RESET_RTTS * srtt {
+            tx.reo_late_us = [0, tx.reo_late_us[0]];
+            tx.rate_max = [0, tx.rate_max[0]];
+            tx.reo_late_since = self.now;
+        }
+    }
+
     /// The reordering windows, (RFC 8985's, measured): min RTT / 4 times the adaptive factor, and the
     /// larger of that and the lateness measured lately with a margin; both at most `REO_MAX_SRTTS`
     /// smoothed RTTs.
@@ -278,12 +290,7 @@ impl Connection {
         if self.tx.reo_mult > 1 && self.now.saturating_sub(self.tx.last_spurious_at) > REO_RESET_RTTS * srtt {
             self.tx.reo_mult = 1;
         }
-        let tx = &mut self.tx;
-        if self.now.saturating_sub(tx.reo_late_since) > REO_RESET_RTTS * srtt {
-            tx.reo_late_us = [0, tx.reo_late_us[0]];
-            tx.rate_max = [0, tx.rate_max[0]];
-            tx.reo_late_since = self.now;
-        }
+        let tx = &self.tx;
         let quarter = tx.min_rtt_us.unwrap_or(0) / 4;
         let base = (u64::from(tx.reo_mult) * quarter).max(REO_WND_MIN_US);
         // The lateness measured is the largest of the packets that were not declared lost first, so
@@ -350,6 +357,7 @@ impl Connection {
             }
             self.tx.tx_order.pop_front();
         }
+        self.roll_measuring_period();
         let reo = self.reo_wnd();
         let reordering_unseen = self.tx.reo_mult == 1 && self.tx.reo_late_us == [0, 0];
         let mut timer: Option<Micros> = None;
