@@ -1218,3 +1218,45 @@ fn a_cts_lost_twice_is_sent_again_after_two_round_trips_not_the_rto() {
         assert!(took < 200, "the second receive took {took} µs: its CTS waited for the RTO");
     });
 }
+
+#[test]
+fn a_window_cut_below_what_is_in_flight_during_an_outage_does_not_hold_the_probe_back() {
+    // A rate controller cuts the window (here from 16 to 2 packets) while the link fails: what is in
+    // flight is lost, retransmissions are queued behind the full window, and the peer is silent, so
+    // only tail-loss probes can find out when the link is back. The probe must leave whatever the
+    // window: before, a probe that found a retransmission queued did nothing, and the connection
+    // waited for an RTO long after the link was back (47.6 ms here with a 50 ms floor; in the
+    // simulator, 11 doubled RTOs of a 50 µs floor, 102 ms, under a 2-packet window).
+    seeded(47, |seed| {
+        let cfg = ProtoConfig { window_pkts: 16, rto_min_us: 50_000, ..ProtoConfig::default() };
+        let mut sim = Sim::new(seed, &cfg, [Link::default(), Link::default()]);
+        let pkts = 64u64;
+        let len = pkts * cfg.max_payload as u64;
+        let posted = post(&mut sim, &[vec![m(len, len, 1)]]);
+        // A lossy link, so that losses are always being found (and queued for retransmission) from
+        // the acknowledgements of what was already on its way when the whole link fails and the
+        // window is cut; the outage comes once every packet went out once, so that a probe has no new
+        // data to go with.
+        sim.links[A].loss = 0.3;
+        sim.run_until(1_000_000, |s| s.data_log.iter().filter(|d| !d.retx).count() as u64 >= pkts);
+        let outage = sim.now;
+        sim.links[A].holes = ((0..cfg.n_paths).collect(), outage);
+        sim.ends[A].conn.set_window_pkts(2);
+        sim.run_until(1_000_000, |s| s.now >= outage + 2_000 || all_done(s, &posted));
+        assert!(sim.link_stats[A].blackholed >= 2, "the outage swallowed {} packets", sim.link_stats[A].blackholed);
+        sim.links[A].loss = 0.0;
+        sim.links[A].holes = (Vec::new(), Micros::MAX);
+        let back = sim.now;
+        sim.run_until(1_000_000, |s| all_done(s, &posted));
+        verify(&sim, &posted);
+        let took = sim.now - back;
+        let st = sim.stats(A);
+        eprintln!(
+            "done {took} µs after the link came back; probes {} timeouts {} retransmissions {}",
+            st.tail_probes, st.timeouts, st.retransmissions
+        );
+        // At 2 packets per round trip (~20 µs) the rest of the message needs well under a ms; one
+        // RTO floor (50 ms) means a probe waited for the timer.
+        assert!(took < 20_000, "the rest took {took} µs after the link came back: the probe waited for an RTO");
+    });
+}

@@ -27,7 +27,10 @@ impl Connection {
                 return Some(t);
             }
         }
-        if self.tx.in_flight >= self.cfg.window_pkts {
+        // The probe goes out whatever the window (RFC 8985 section 7.3): when the packets that fill
+        // the window were all lost and the peer is only silent, nothing else would ever leave (a
+        // connection under a 2-packet window waited out 11 doubled RTOs, 102 ms, in the simulator).
+        if self.tx.in_flight >= self.cfg.window_pkts && !probe {
             return None;
         }
         if self.tx.has_retransmission() {
@@ -35,15 +38,21 @@ impl Connection {
             let len = self.tx.ring[(psn - self.tx.snd_una) as usize].len as usize;
             if out.len() < DATA_HEADER_LEN + len {
                 tracing::warn!(buffer = out.len(), need = DATA_HEADER_LEN + len, "transmit buffer too small for a retransmission");
+                if probe {
+                    self.tx.tlp_due = true;
+                }
                 return None;
             }
             self.tx.retx_queue.pop_front();
             let probed = self.tx.ring[(psn - self.tx.snd_una) as usize].probed;
             let t = self.transmit_data(psn, true, now, src, out);
-            if probed {
+            if probed || probe {
                 self.tx.tlp_tx_seq = Some(self.tx.next_tx_seq - 1);
             }
             return Some(t);
+        }
+        if self.tx.in_flight >= self.cfg.window_pkts {
+            return None;
         }
         if self.tx.next_psn() - self.tx.snd_una >= OOO_WINDOW_PKTS {
             return None;
