@@ -110,21 +110,93 @@ impl RecvBuf for HostRecvBuf {
     }
 }
 
-/// Copies `src` to `dst` in ascending address order, 8 aligned bytes per store where `dst` allows,
-/// each a release store: another thread sees the stores in that order, and never half of one.
+/// Copies `src` to `dst` in ascending address order, each store whole and visible to other threads in
+/// program order: another thread sees the stores in that order, and never half of one.
 ///
 /// NCCL's LL and LL128 readers poll the receive buffer while the network writes it and trust a line
 /// (LL: 16 bytes `{data0, flag0, data1, flag1}`; LL128: 128 bytes, a flag in the last 8) as soon as its
 /// flags are new. `memcpy` promises no order (`rep movsb` may make its stores visible out of order),
 /// and a reader polling during 64 KiB transfers saw lines with both flags new but data words still
-/// old (`tests-c/ll_test.c`). With 8-byte stores, `{data, flag}` is never torn; in ascending order, a
-/// line's last flag is never visible before the bytes in front of it. On x86 a release store is a
-/// plain `mov`. (Packets start on 128-byte boundaries of the message, so no line spans two copies.)
+/// old (`tests-c/ll_test.c`). With whole 8-byte (or 16-byte) stores, `{data, flag}` is never torn; in
+/// ascending order, a line's last flag is never visible before the bytes in front of it. (Packets
+/// start on 128-byte boundaries of the message, so no line spans two copies.)
+///
+/// On x86-64 with AVX the 16-byte-aligned middle goes by aligned 16-byte SSE stores (`movdqa`, which
+/// processors with AVX perform atomically; x86 makes ordinary stores visible in program order), four
+/// per 64 bytes, with the destination prefetched 1 KiB ahead: about three times the speed of one
+/// 8-byte store at a time into a buffer that is not in the cache (0.17 -> 0.05 ns per byte measured
+/// on this project's 2-core test machine, close to `memcpy`). Elsewhere 8-byte release stores.
 ///
 /// # Safety
 /// `dst` must be valid for writes of `src.len()` bytes that nobody else writes meanwhile, and must not
 /// overlap `src`.
 unsafe fn ordered_copy(dst: *mut u8, src: &[u8]) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        /// Below this many bytes the scalar copy is as fast.
+        const SSE_MIN: usize = 256;
+        if src.len() >= SSE_MIN && std::is_x86_feature_detected!("avx") {
+            let head = dst.align_offset(16).min(src.len());
+            let blocks = (src.len() - head) / 64;
+            // SAFETY: `head <= src.len()`: inside the caller's range.
+            unsafe { ordered_copy_words(dst, &src[..head]) };
+            // SAFETY: `dst + head` is 16-aligned (align_offset) and `head + 64 * blocks <= src.len()`:
+            // inside the caller's range; AVX was detected just above.
+            unsafe { copy_blocks_sse(dst.add(head), src[head..].as_ptr(), blocks) };
+            let done = head + 64 * blocks;
+            // SAFETY: `done <= src.len()`: inside the caller's range.
+            unsafe { ordered_copy_words(dst.add(done), &src[done..]) };
+            return;
+        }
+    }
+    // SAFETY: the caller's contract.
+    unsafe { ordered_copy_words(dst, src) }
+}
+
+/// Copies `blocks` x 64 bytes from `src` to the 16-aligned `dst` with aligned 16-byte stores in
+/// ascending order (one `movdqa` each, in an `asm!` block so that the compiler can neither reorder,
+/// merge nor split them), prefetching the destination 1 KiB ahead (a prefetch never faults, so it may
+/// look past the end of the buffer).
+///
+/// # Safety
+/// `dst` must be 16-aligned and valid for writes of `64 * blocks` bytes that nobody else writes
+/// meanwhile, `src` valid for reads of as many bytes, not overlapping `dst`; the CPU must have AVX
+/// (which makes the aligned 16-byte stores atomic).
+#[cfg(target_arch = "x86_64")]
+unsafe fn copy_blocks_sse(dst: *mut u8, src: *const u8, blocks: usize) {
+    for k in 0..blocks {
+        // SAFETY: `64 * k + 64 <= 64 * blocks`: inside both ranges the caller vouches for; `dst + 64k`
+        // stays 16-aligned. The block only loads from `s`, stores to `d` and prefetches.
+        unsafe {
+            let (d, s) = (dst.add(64 * k), src.add(64 * k));
+            std::arch::asm!(
+                "prefetcht0 [{d} + 1024]",
+                "movdqu {a}, [{s}]",
+                "movdqu {b}, [{s} + 16]",
+                "movdqu {c}, [{s} + 32]",
+                "movdqu {e}, [{s} + 48]",
+                "movdqa [{d}], {a}",
+                "movdqa [{d} + 16], {b}",
+                "movdqa [{d} + 32], {c}",
+                "movdqa [{d} + 48], {e}",
+                d = in(reg) d,
+                s = in(reg) s,
+                a = out(xmm_reg) _,
+                b = out(xmm_reg) _,
+                c = out(xmm_reg) _,
+                e = out(xmm_reg) _,
+                options(nostack, preserves_flags),
+            );
+        }
+    }
+}
+
+/// [`ordered_copy`] with 8 aligned bytes per store where `dst` allows, each a release store (on x86 a
+/// plain `mov`).
+///
+/// # Safety
+/// As for [`ordered_copy`].
+unsafe fn ordered_copy_words(dst: *mut u8, src: &[u8]) {
     use std::sync::atomic::{AtomicU64, AtomicU8, Ordering::Release};
     let head = dst.align_offset(8).min(src.len());
     let words = (src.len() - head) / 8;
@@ -169,12 +241,13 @@ mod tests {
 
     #[test]
     fn every_alignment_and_length_is_copied_exactly() {
-        let src: Vec<u8> = (0..200u32).map(|i| (i * 7 + 1) as u8).collect();
-        for start in 0..9 {
-            for n in [0, 1, 7, 8, 9, 15, 16, 17, 63, 64, 65, 128, 190] {
-                let mut dst = vec![0xEEu8; 208];
+        // Lengths around the 256-byte threshold of the 16-byte path and its 64-byte blocks too.
+        let src: Vec<u8> = (0..2000u32).map(|i| (i * 7 + 1) as u8).collect();
+        for start in 0..17 {
+            for n in [0, 1, 7, 8, 9, 15, 16, 17, 63, 64, 65, 128, 190, 255, 256, 257, 319, 320, 333, 1000, 1984] {
+                let mut dst = vec![0xEEu8; 2001];
                 // SAFETY: `dst` outlives `buf` and is only accessed through it meanwhile.
-                let mut buf = unsafe { HostRecvBuf::new(dst.as_mut_ptr(), 208) };
+                let mut buf = unsafe { HostRecvBuf::new(dst.as_mut_ptr(), 2001) };
                 buf.write(start, &src[..n]);
                 assert_eq!(&dst[start..start + n], &src[..n], "start {start}, {n} bytes");
                 assert!(dst[..start].iter().chain(&dst[start + n..]).all(|&b| b == 0xEE), "start {start}, {n} bytes");

@@ -169,7 +169,7 @@ pub fn execute(t: &mut dyn Transport, plan: &Plan, cfg: &ExecConfig) -> Result<E
                     break;
                 }
                 q.recv_waits_for_send = false;
-                match t.irecv(op.peer, op.region).map_err(net(format!("irecv #{idx} from rank {}", op.peer)))? {
+                match t.irecv(op.peer, op.region).map_err(|e| net(format!("irecv #{idx} from rank {}", op.peer))(e))? {
                     Some(id) => {
                         outstanding.push((id, Op::Recv(idx)));
                         q.next_recv += 1;
@@ -189,7 +189,7 @@ pub fn execute(t: &mut dyn Transport, plan: &Plan, cfg: &ExecConfig) -> Result<E
                 if op.after.is_some_and(|a| !recv_done[a]) {
                     break;
                 }
-                match t.isend(op.peer, op.region).map_err(net(format!("isend #{idx} to rank {}", op.peer)))? {
+                match t.isend(op.peer, op.region).map_err(|e| net(format!("isend #{idx} to rank {}", op.peer))(e))? {
                     Some(id) => {
                         outstanding.push((id, Op::Send(idx)));
                         q.next_send += 1;
@@ -209,11 +209,12 @@ pub fn execute(t: &mut dyn Transport, plan: &Plan, cfg: &ExecConfig) -> Result<E
         while i < outstanding.len() {
             let (id, op) = outstanding[i];
             stats.tests += 1;
-            let what = match op {
+            // The error's text is made only on an error: this loop runs millions of times.
+            let what = || match op {
                 Op::Send(idx) => format!("test of isend #{idx} to rank {}", plan.sends[idx].peer),
                 Op::Recv(idx) => format!("test of irecv #{idx} from rank {}", plan.recvs[idx].peer),
             };
-            let Some(bytes) = t.test(id).map_err(net(what))? else {
+            let Some(bytes) = t.test(id).map_err(|e| net(what())(e))? else {
                 i += 1;
                 continue;
             };

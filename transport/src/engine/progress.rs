@@ -244,6 +244,9 @@ fn run(net: Weak<dyn Host>, stop: Arc<AtomicBool>) {
         let ts = TimeSpec::from_duration(std::time::Duration::from_micros(sleep_us));
         if nix::poll::ppoll(&mut fds, Some(ts), None).is_ok_and(|n| n > 0) {
             for (rail, pair) in udp_rails.iter().zip(fds.chunks(2)) {
+                if pair[0].revents().is_some_and(|r| r.contains(PollFlags::POLLIN)) {
+                    rail.rx_readable();
+                }
                 if pair[1].revents().is_some_and(|r| r.contains(PollFlags::POLLIN)) {
                     rail.drain_strays();
                 }

@@ -74,8 +74,28 @@ struct RxBatch {
 /// Receive buffers per `recvmmsg` when GRO is on (each holds up to 64 KiB of coalesced datagrams).
 const GRO_BATCH: usize = 16;
 
-/// `recvmmsg` calls one `poll_rx` makes at most (the spare pool holds as many batches).
-const RX_ROUNDS: usize = 4;
+/// After a receive found the rail port empty, [`Rail::poll_rx`] skips the system call for this long
+/// (µs). NCCL's proxy tests its requests in a tight loop, each test progressing the comm: most of
+/// those `recvmmsg` calls found nothing (626,000 of them in a 2-rank 64 MiB sendrecv of 44
+/// iterations, against 660,000 datagrams received), at 1-2 µs each. A datagram arriving meanwhile
+/// waits at most this long, and not at all when the progress thread is the one waiting (its `poll`
+/// says the socket is readable, see [`Rail::rx_readable`]).
+const RX_IDLE_US: u64 = 10;
+
+/// `rx_empty_at` when the rail port is not known to be empty.
+const NOT_EMPTY: u64 = u64::MAX;
+
+/// Receive batches one progress call takes from each rail at most (bounded so that one test() call
+/// cannot be held hostage by a flood).
+pub(crate) const RX_ROUNDS: usize = 4;
+
+/// Bytes of spare receive buffers a rail keeps for reuse (at least `RX_ROUNDS` batches): as much as
+/// the default socket buffer (`PRISM_SOCKBUF`), i.e. about what a connection's window has queued in
+/// the inboxes at once. With only one `poll_rx` worth (4 MiB of GRO buffers) the pool ran dry whenever
+/// the comms lagged behind the rail (each comm drains its inbox only when it progresses), and every
+/// buffer it lacked was a fresh zeroed 64 KiB allocation (memset and page faults: 3 to 5 % of the
+/// CPU of a 64 MiB sendrecv), freed again on its return.
+const SPARE_BYTES: usize = 8 << 20;
 
 /// What moves a rail's packets: the one place the engine tells its two backends apart.
 pub(crate) enum RailBackend {
@@ -160,6 +180,9 @@ pub(crate) struct Rail {
     /// Bytes of each receive buffer: one datagram and a byte, or a coalesced (GRO) buffer.
     buf_len: usize,
     rx: Mutex<RxBatch>,
+    /// When (engine clock, µs) a receive last found the rail port empty; `NOT_EMPTY` when the last one
+    /// did not, or the socket became readable since.
+    rx_empty_at: AtomicU64,
     routes: RwLock<HashMap<u64, Arc<Inbox>>>,
     spare: Mutex<Vec<Vec<u8>>>,
     /// Datagrams whose token matched no connection (late packets of closed comms, strays).
@@ -187,6 +210,7 @@ impl Rail {
             max_datagram,
             buf_len,
             rx: Mutex::new(RxBatch { bufs, got: Vec::with_capacity(BATCH), polls: 0 }),
+            rx_empty_at: AtomicU64::new(NOT_EMPTY),
             routes: RwLock::new(HashMap::new()),
             spare: Mutex::new(Vec::new()),
             unknown_token: AtomicU64::new(0),
@@ -213,9 +237,9 @@ impl Rail {
     /// Give receive buffers back for reuse.
     pub fn recycle(&self, bufs: impl Iterator<Item = Vec<u8>>) {
         let mut spare = self.spare.lock();
-        // As many as one `poll_rx` hands out (256 datagram buffers, or 64 coalesced ones: 4 MiB), so
-        // that a steady flow takes its buffers from here, not from the allocator (which zeroes them).
-        let cap = RX_ROUNDS * if self.buf_len > self.max_datagram + 1 { GRO_BATCH } else { BATCH };
+        // So that a steady flow takes its buffers from here, not from the allocator (which zeroes them).
+        let batch = if self.buf_len > self.max_datagram + 1 { GRO_BATCH } else { BATCH };
+        let cap = (SPARE_BYTES / self.buf_len.max(1)).max(RX_ROUNDS * batch);
         let room = cap.saturating_sub(spare.len());
         spare.extend(bufs.filter(|b| b.len() >= self.buf_len).take(room));
     }
@@ -231,73 +255,83 @@ impl Rail {
         }
     }
 
-    /// Drain the rail's socket into the inboxes (and, every `STRAY_EVERY` calls, its send-only
-    /// sockets). Returns without waiting when another thread is already draining (it delivers our
-    /// datagrams too).
-    pub fn poll_rx(&self) {
-        let Some(udp) = self.backend.udp() else { return };
-        let Some(mut rx) = self.rx.try_lock() else { return };
+    /// The rail port is readable (the progress thread's `poll` said so): the next [`Rail::poll_rx`]
+    /// reads it, however recently it was found empty.
+    pub fn rx_readable(&self) {
+        self.rx_empty_at.store(NOT_EMPTY, Ordering::Relaxed);
+    }
+
+    /// Receive one batch from the rail's socket into the inboxes (and, every `STRAY_EVERY` calls,
+    /// drain its send-only sockets). Returns true when the batch was full (more may be waiting); false
+    /// when the socket had no more, was found empty less than `RX_IDLE_US` before `now` (engine clock,
+    /// µs; no system call then), or another thread is already draining (it delivers our datagrams
+    /// too). One batch at a time, so that the caller copies what arrived out of the receive buffers
+    /// while they are still in this core's cache (`CommCore::progress` alternates the two).
+    pub fn poll_rx(&self, now: u64) -> bool {
+        let Some(udp) = self.backend.udp() else { return false };
+        let empty_at = self.rx_empty_at.load(Ordering::Relaxed);
+        if empty_at != NOT_EMPTY && now.saturating_sub(empty_at) < RX_IDLE_US {
+            return false;
+        }
+        let Some(mut rx) = self.rx.try_lock() else { return false };
         let RxBatch { bufs, got, polls } = &mut *rx;
         *polls = polls.wrapping_add(1);
         if *polls % STRAY_EVERY == 0 {
             self.drain_strays();
         }
-        // Bounded so that one test() call cannot be held hostage by a flood.
-        for _ in 0..RX_ROUNDS {
-            if let Err(e) = udp.recv(0, bufs, got) {
-                tracing::warn!(rail = %self.info.name, "recvmmsg failed: {e}");
-                return;
-            }
-            if got.is_empty() {
-                return;
-            }
-            let routes = self.routes.read();
-            let mut spare = self.spare.lock();
-            for (k, &(len, src, seg)) in got.iter().enumerate() {
-                let len = len.min(bufs[k].len());
-                // Each distinct token in the buffer (one, unless connections between the same two
-                // sockets were coalesced together), in order of appearance; bounded by the segments.
-                let mut tokens = [0u64; MAX_TOKENS_PER_BUF];
-                let mut ntok = 0;
-                for r in segments(len, seg) {
-                    let Some(token) = wire::peek_token(&bufs[k][r]) else {
-                        self.runt.fetch_add(1, Ordering::Relaxed);
-                        continue;
-                    };
-                    if tokens[..ntok].contains(&token) {
-                        continue;
-                    }
-                    if !routes.contains_key(&token) {
-                        self.unknown_token.fetch_add(1, Ordering::Relaxed);
-                        continue;
-                    }
-                    if ntok == MAX_TOKENS_PER_BUF {
-                        // More connections in one buffer than expected: the rest are lost (and recovered).
-                        self.unknown_token.fetch_add(1, Ordering::Relaxed);
-                        continue;
-                    }
-                    tokens[ntok] = token;
-                    ntok += 1;
+        if let Err(e) = udp.recv(0, bufs, got) {
+            tracing::warn!(rail = %self.info.name, "recvmmsg failed: {e}");
+            return false;
+        }
+        let full = got.len() >= bufs.len().min(BATCH);
+        self.rx_empty_at.store(if full { NOT_EMPTY } else { now }, Ordering::Relaxed);
+        if got.is_empty() {
+            return false;
+        }
+        let routes = self.routes.read();
+        let mut spare = self.spare.lock();
+        for (k, &(len, src, seg)) in got.iter().enumerate() {
+            let len = len.min(bufs[k].len());
+            // Each distinct token in the buffer (one, unless connections between the same two
+            // sockets were coalesced together), in order of appearance; bounded by the segments.
+            let mut tokens = [0u64; MAX_TOKENS_PER_BUF];
+            let mut ntok = 0;
+            for r in segments(len, seg) {
+                let Some(token) = wire::peek_token(&bufs[k][r]) else {
+                    self.runt.fetch_add(1, Ordering::Relaxed);
+                    continue;
+                };
+                if tokens[..ntok].contains(&token) {
+                    continue;
                 }
-                for (i, &token) in tokens[..ntok].iter().enumerate() {
-                    let Some(inbox) = routes.get(&token) else { continue };
-                    let fresh = spare.pop().unwrap_or_else(|| vec![0u8; self.buf_len]);
-                    let buf = if i + 1 == ntok {
-                        // The last (normally the only) connection takes the buffer itself.
-                        std::mem::replace(&mut bufs[k], fresh)
-                    } else {
-                        // A copy for each other connection in it (rare: a coalesced mix).
-                        let mut copy = fresh;
-                        copy[..len].copy_from_slice(&bufs[k][..len]);
-                        copy
-                    };
-                    inbox.q.lock().push(Datagram { src, buf, len, seg, token, max_len: self.max_datagram + 1, rail: self.index });
+                if !routes.contains_key(&token) {
+                    self.unknown_token.fetch_add(1, Ordering::Relaxed);
+                    continue;
                 }
+                if ntok == MAX_TOKENS_PER_BUF {
+                    // More connections in one buffer than expected: the rest are lost (and recovered).
+                    self.unknown_token.fetch_add(1, Ordering::Relaxed);
+                    continue;
+                }
+                tokens[ntok] = token;
+                ntok += 1;
             }
-            drop(spare);
-            if got.len() < bufs.len().min(BATCH) {
-                return;
+            for (i, &token) in tokens[..ntok].iter().enumerate() {
+                let Some(inbox) = routes.get(&token) else { continue };
+                let fresh = spare.pop().unwrap_or_else(|| vec![0u8; self.buf_len]);
+                let buf = if i + 1 == ntok {
+                    // The last (normally the only) connection takes the buffer itself.
+                    std::mem::replace(&mut bufs[k], fresh)
+                } else {
+                    // A copy for each other connection in it (rare: a coalesced mix).
+                    let mut copy = fresh;
+                    copy[..len].copy_from_slice(&bufs[k][..len]);
+                    copy
+                };
+                inbox.q.lock().push(Datagram { src, buf, len, seg, token, max_len: self.max_datagram + 1, rail: self.index });
             }
         }
+        drop(spare);
+        full
     }
 }
