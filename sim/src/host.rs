@@ -11,12 +11,17 @@ use prism_lb::{Feedback, PathCtx, PathPolicy, RateController};
 /// (ECN echo or the transport's delay verdict) at most once per smoothed RTT, grow by one packet per
 /// window of clean acknowledgements. Every path of the flow shares it, which is exactly the overreaction
 /// MCC addresses: one congested path cuts the rate of all.
+///
+/// With `per_mark` it is instead the MPRDMA-style window of the REPS artifact (htsim's
+/// `updateCwndOnAck_MPRDMA`): every congested acknowledgement takes a quarter of the acknowledged
+/// packet off the window (no once-per-RTT gate), a clean one adds 1/cwnd, a loss or timeout one packet.
 #[derive(Debug, Clone)]
 pub struct PacketAimd {
     cwnd: f64,
     max: f64,
     srtt_us: f64,
     last_cut_us: Option<u64>,
+    per_mark: bool,
     /// Cuts taken.
     pub cuts: u64,
 }
@@ -24,7 +29,12 @@ pub struct PacketAimd {
 impl PacketAimd {
     /// A window of `init` packets that never exceeds `max`.
     pub fn new(init: u32, max: u32) -> Self {
-        Self { cwnd: init.max(1) as f64, max: max.max(1) as f64, srtt_us: 0.0, last_cut_us: None, cuts: 0 }
+        Self { cwnd: init.max(1) as f64, max: max.max(1) as f64, srtt_us: 0.0, last_cut_us: None, per_mark: false, cuts: 0 }
+    }
+
+    /// The MPRDMA-style window (see the type's description).
+    pub fn per_mark(init: u32, max: u32) -> Self {
+        Self { per_mark: true, ..Self::new(init, max) }
     }
 
     /// Packets the flow may have in flight.
@@ -33,6 +43,11 @@ impl PacketAimd {
     }
 
     fn cut(&mut self, now_us: u64) {
+        if self.per_mark {
+            self.cwnd = (self.cwnd - 1.0).max(1.0);
+            self.cuts += 1;
+            return;
+        }
         let gap = self.srtt_us.max(1.0) as u64;
         if self.last_cut_us.is_none_or(|t| now_us >= t + gap) {
             self.cwnd = (self.cwnd / 2.0).max(1.0);
@@ -47,7 +62,10 @@ impl PacketAimd {
             Feedback::Ack { rtt_us, congested, now_us, .. } => {
                 let r = rtt_us as f64;
                 self.srtt_us = if self.srtt_us == 0.0 { r } else { 0.875 * self.srtt_us + 0.125 * r };
-                if congested {
+                if congested && self.per_mark {
+                    self.cwnd = (self.cwnd - 0.25).max(1.0);
+                    self.cuts += 1;
+                } else if congested {
                     self.cut(now_us);
                 } else {
                     self.cwnd = (self.cwnd + 1.0 / self.cwnd).min(self.max);
@@ -137,6 +155,21 @@ mod tests {
         a.on_feedback(&ack(true, 120));
         assert_eq!(a.window_pkts(), 16);
         assert_eq!(a.cuts, 2);
+    }
+
+    #[test]
+    fn the_mprdma_window_loses_a_quarter_packet_per_mark_without_a_per_rtt_gate() {
+        let mut a = PacketAimd::per_mark(64, 512);
+        for i in 0..8 {
+            a.on_feedback(&ack(true, 100 + i));
+        }
+        assert_eq!(a.window_pkts(), 62);
+        a.on_feedback(&Feedback::Nack { entropy: 0, now_us: 110 });
+        assert_eq!(a.window_pkts(), 61);
+        for i in 0..1000 {
+            a.on_feedback(&ack(true, 200 + i));
+        }
+        assert_eq!(a.window_pkts(), 1);
     }
 
     #[test]

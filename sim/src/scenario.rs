@@ -229,10 +229,18 @@ impl Default for ProtoSpec {
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(tag = "kind", rename_all = "snake_case", deny_unknown_fields)]
 pub enum WorkloadSpec {
-    /// Every host sends `bytes` to every other host at once.
+    /// Every host sends `bytes` to every other host: all at once, or in steps of `parallel`
+    /// destinations.
     AllToAll {
         /// Bytes per pair.
         bytes: u64,
+        /// `None`: every transfer at once. `Some(k)`: as the REPS artifact's all-to-all
+        /// (`gen_serialn_alltoall.py`): hosts in a random order, and each host sends to `k`
+        /// destinations at a time, shifted so that every host also receives from `k` sources per step,
+        /// its next step once its own `k` transfers have arrived; every receive is posted at the
+        /// start (one rail, no flow splitting).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        parallel: Option<u32>,
     },
     /// A random permutation without fixed points: each host sends `bytes` to one host and receives
     /// from one.
@@ -420,6 +428,9 @@ pub enum RateMode {
     /// A per-packet ECN/delay AIMD window (the seed-003 baseline): halve at most once per RTT on a
     /// congested acknowledgement, +1 packet per window otherwise.
     PacketAimd,
+    /// The MPRDMA-style window of the REPS artifact: a quarter packet off per congested
+    /// acknowledgement, +1/cwnd per clean one, one packet off per loss.
+    PacketMprdma,
 }
 
 /// One scheme to compare.

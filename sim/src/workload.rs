@@ -23,10 +23,14 @@ pub struct Transfer {
     pub home_rail: u16,
     /// The destination GPU's rail when the workload is GPU-to-GPU (MoE); `None`: rail-aligned.
     pub dst_rail: Option<u16>,
+    /// The receive is posted when the workload starts, not when the send starts (a collective's
+    /// receives posted as one group, as NCCL does for an all-to-all), so its CTS is waiting at the
+    /// sender by the time the send is posted.
+    pub recv_at_start: bool,
 }
 
 fn t(src: usize, dst: usize, bytes: u64, deps: Vec<u32>) -> Transfer {
-    Transfer { src: src as u32, dst: dst as u32, bytes, deps, start_us: 0.0, home_rail: 0, dst_rail: None }
+    Transfer { src: src as u32, dst: dst as u32, bytes, deps, start_us: 0.0, home_rail: 0, dst_rail: None, recv_at_start: false }
 }
 
 /// A random cyclic permutation (Sattolo): `next[i]` is i's successor on one ring through all hosts.
@@ -51,7 +55,7 @@ pub fn generate(
 ) -> Result<Vec<Transfer>, ScenarioError> {
     let mut v = Vec::new();
     match spec {
-        WorkloadSpec::AllToAll { bytes: b } => {
+        WorkloadSpec::AllToAll { bytes: b, parallel: None } => {
             let b = bytes.unwrap_or(*b);
             for s in 0..hosts {
                 for d in 0..hosts {
@@ -60,6 +64,13 @@ pub fn generate(
                     }
                 }
             }
+        }
+        WorkloadSpec::AllToAll { bytes: b, parallel: Some(k) } => {
+            let k = *k as usize;
+            if k == 0 || k >= hosts {
+                return Err(invalid("workload.parallel", format!("{k}: between 1 and the number of hosts minus one ({})", hosts - 1)));
+            }
+            all_to_all_in_steps(&mut v, hosts, bytes.unwrap_or(*b), k, rng);
         }
         WorkloadSpec::Permutation { bytes: b } => {
             let b = bytes.unwrap_or(*b);
@@ -138,6 +149,36 @@ pub fn generate(
         }
     }
     Ok(v)
+}
+
+/// An all-to-all of `b` bytes per pair in steps of `k` destinations per host. Hosts are placed at
+/// random positions 0..n; at step d (1..=(n-1)/k) position s sends to positions s + d + c·h (mod n),
+/// c < k, h = (n-1)/k, so that each position also receives from exactly k per step; the (n-1) mod k
+/// destinations left go in one last step. A host's step waits for the arrival of its previous step's
+/// transfers (through a zero-byte gate), not for other hosts: the REPS artifact's windowed all-to-all.
+/// Every receive is posted at the start, as NCCL posts a grouped all-to-all's receives at once (the
+/// artifact's transport has no clear-to-send to wait for).
+fn all_to_all_in_steps(v: &mut Vec<Transfer>, n: usize, b: u64, k: usize, rng: &mut SmallRng) {
+    let mut host: Vec<usize> = (0..n).collect();
+    host.shuffle(rng);
+    let h = (n - 1) / k;
+    let left = (n - 1) % k;
+    for s in 0..n {
+        let mut steps: Vec<Vec<usize>> = (1..=h).map(|d| (0..k).map(|c| (s + d + c * h) % n).collect()).collect();
+        if left > 0 {
+            steps.push((0..left).map(|c| (s + k * h + c + 1) % n).collect());
+        }
+        let mut gate: Option<u32> = None;
+        for step in steps {
+            let first = v.len() as u32;
+            for d in step {
+                v.push(Transfer { recv_at_start: true, ..t(host[s], host[d], b, gate.into_iter().collect()) });
+            }
+            let ids: Vec<u32> = (first..v.len() as u32).collect();
+            v.push(t(host[s], host[s], 0, ids));
+            gate = Some((v.len() - 1) as u32);
+        }
+    }
 }
 
 /// Append an all-reduce of `b` bytes among `ranks`.
@@ -428,10 +469,29 @@ pub fn lower_bound_us(
     let load = sent.iter().chain(recv.iter()).fold(0.0f64, |a, &b| a.max(b)) / host_rate;
     let min_lat = transfers.iter().filter(|t| t.src != t.dst).map(|t| latency_us(t.src, t.dst)).fold(f64::INFINITY, f64::min);
     let mut finish = vec![0.0f64; transfers.len()];
+    let mut began = vec![0.0f64; transfers.len()];
     for (i, tr) in transfers.iter().enumerate() {
         // Dependencies always point to earlier transfers (generation order).
         let start = tr.deps.iter().map(|&d| finish[d as usize]).fold(tr.start_us, f64::max);
-        finish[i] = if tr.src == tr.dst { start } else { start + wire(tr.bytes) / host_rate + latency_us(tr.src, tr.dst) };
+        began[i] = start;
+        finish[i] = if tr.src == tr.dst {
+            // A gate on transfers of its own host: they share that host's NIC, so the last of them
+            // arrives no earlier than the first could start plus all their bytes at line rate plus
+            // the shortest of their latencies (an all-to-all in steps waits for this per step).
+            let own: Vec<u32> =
+                tr.deps.iter().copied().filter(|&d| transfers[d as usize].src == tr.src && transfers[d as usize].dst != tr.src).collect();
+            let shared = if own.is_empty() {
+                0.0
+            } else {
+                let first = own.iter().map(|&d| began[d as usize]).fold(f64::INFINITY, f64::min);
+                let bytes: f64 = own.iter().map(|&d| wire(transfers[d as usize].bytes)).sum();
+                let lat = own.iter().map(|&d| latency_us(tr.src, transfers[d as usize].dst)).fold(f64::INFINITY, f64::min);
+                first + bytes / host_rate + lat
+            };
+            start.max(shared)
+        } else {
+            start + wire(tr.bytes) / host_rate + latency_us(tr.src, tr.dst)
+        };
     }
     let chain = finish.iter().fold(0.0f64, |a, &b| a.max(b));
     chain.max(load + if min_lat.is_finite() { min_lat } else { 0.0 })
@@ -477,6 +537,62 @@ mod tests {
                 assert!(t.deps.iter().all(|&d| v[d as usize].dst == t.src), "{algo}: transfer {i}");
             }
         }
+    }
+
+    #[test]
+    fn an_all_to_all_in_steps_sends_every_pair_once_k_at_a_time_and_receives_k_per_step() {
+        for (n, k) in [(16usize, 4usize), (16, 5), (128, 8), (9, 8), (5, 1)] {
+            let v = gen(&format!(r#"{{"kind":"all_to_all","bytes":7,"parallel":{k}}}"#), n, 1);
+            let data: Vec<&Transfer> = v.iter().filter(|t| t.src != t.dst).collect();
+            let mut pairs: Vec<(u32, u32)> = data.iter().map(|t| (t.src, t.dst)).collect();
+            pairs.sort_unstable();
+            pairs.dedup();
+            assert_eq!(pairs.len(), n * (n - 1), "n {n} k {k}: every ordered pair once");
+            assert_eq!(data.len(), n * (n - 1), "n {n} k {k}: no pair twice");
+            assert!(data.iter().all(|t| t.bytes == 7));
+            // Steps: a host's transfers with the same dependencies; a step's successor waits for it
+            // (through a gate of the same host that depends on exactly that step).
+            let mut by_step: std::collections::BTreeMap<(u32, Vec<u32>), Vec<u32>> = Default::default();
+            for t in &data {
+                by_step.entry((t.src, t.deps.clone())).or_default().push(t.dst);
+            }
+            for ((src, deps), dsts) in &by_step {
+                assert!(dsts.len() <= k, "n {n} k {k}: host {src} sends to {} at once", dsts.len());
+                for &g in deps {
+                    let gate = &v[g as usize];
+                    assert_eq!((gate.src, gate.dst, gate.bytes), (*src, *src, 0), "n {n} k {k}: a step waits for its own host's gate");
+                    assert!(gate.deps.iter().all(|&d| v[d as usize].src == *src && v[d as usize].bytes == 7));
+                }
+            }
+            let steps = (n - 1).div_ceil(k);
+            assert_eq!(by_step.len(), n * steps, "n {n} k {k}: {steps} steps per host");
+            // Step j of every host together: each host receives from k sources (fewer in the last,
+            // partial step).
+            let mut nth: std::collections::HashMap<(u32, Vec<u32>), usize> = Default::default();
+            for src in 0..n as u32 {
+                let mut chain: Vec<&(u32, Vec<u32>)> = by_step.keys().filter(|(s, _)| *s == src).collect();
+                chain.sort_by_key(|(_, d)| d.first().copied().map_or(-1, i64::from));
+                for (j, key) in chain.into_iter().enumerate() {
+                    nth.insert(key.clone(), j);
+                }
+            }
+            for j in 0..steps {
+                let mut into = vec![0usize; n];
+                for (key, dsts) in &by_step {
+                    if nth[key] == j {
+                        for &d in dsts {
+                            into[d as usize] += 1;
+                        }
+                    }
+                }
+                let want = if j + 1 == steps && (n - 1) % k != 0 { (n - 1) % k } else { k };
+                assert!(into.iter().all(|&c| c == want), "n {n} k {k} step {j}: receivers {into:?}");
+            }
+            assert!(v.iter().enumerate().all(|(i, t)| t.deps.iter().all(|&d| (d as usize) < i)));
+        }
+        let spec: WorkloadSpec = serde_json::from_str(r#"{"kind":"all_to_all","bytes":1,"parallel":16}"#).expect("spec");
+        let err = generate(&spec, 16, 1, None, &mut SmallRng::seed_from_u64(SEED)).expect_err("k = n");
+        assert!(err.to_string().contains("workload.parallel"), "{err}");
     }
 
     #[test]
@@ -540,5 +656,15 @@ mod tests {
         let b = lower_bound_us(&v, 4, 100.0, 1, |x| x as f64, |_, _| 1.0);
         // Host 0 sends 2000 B at 100 B/µs: 20 µs, plus 1 µs of latency.
         assert!((b - 21.0).abs() < 1e-9, "{b}");
+    }
+
+    #[test]
+    fn the_lower_bound_of_steps_counts_each_steps_bytes_through_its_hosts_nic() {
+        // Host 0 sends 1000 B to 1 and 2 at once, then (after both arrived) 1000 B to 3: each step
+        // is 2000 B resp. 1000 B through one NIC, plus the latency (1 µs) each: 21 + 11 = 32 µs. The
+        // load alone says 30 + 1 µs, the per-transfer chain 11 + 11 µs.
+        let v = vec![t(0, 1, 1000, vec![]), t(0, 2, 1000, vec![]), t(0, 0, 0, vec![0, 1]), t(0, 3, 1000, vec![2])];
+        let b = lower_bound_us(&v, 4, 100.0, 1, |x| x as f64, |_, _| 1.0);
+        assert!((b - 32.0).abs() < 1e-9, "{b}");
     }
 }

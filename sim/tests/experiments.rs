@@ -39,6 +39,22 @@ fn seed_000_packet_spraying_schemes_finish_all_to_all_well_before_ecmp() {
 }
 
 #[test]
+fn seed_000_reps_on_hashing_switches_keeps_up_with_the_balanced_reference_where_random_spraying_does_not() {
+    // The REPS artifact's all-to-all (8 destinations at a time, receives posted at the start) under
+    // its MPRDMA window: recycled entropies that switches hash per flow avoid the queues that random
+    // entropies build; with the entropy as a global path id, every flow recycles the same paths.
+    let r = ci("000-fat-tree-ata-reps");
+    let seed = r.runs[0].seed;
+    let reps = cct(&r, "REPS + MPRDMA", false);
+    let balanced = cct(&r, "host spray on path-id switches + MPRDMA", false);
+    let spray = cct(&r, "host spray + MPRDMA", false);
+    let global = cct(&r, "REPS on path-id switches + MPRDMA", false);
+    assert!(reps < 1.05 * balanced, "seed {seed}: REPS {reps} µs vs the balanced reference {balanced} µs");
+    assert!(spray > 1.2 * reps, "seed {seed}: random spraying {spray} µs vs REPS {reps} µs");
+    assert!(global > 1.2 * reps, "seed {seed}: REPS with global path ids {global} µs vs REPS {reps} µs");
+}
+
+#[test]
 fn seed_000_destination_rotation_queues_grow_slower_with_message_size_than_random_spraying() {
     let r = ci("000-queue-growth");
     let slope = |s: &str| r.queue_slope[s];

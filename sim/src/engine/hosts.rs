@@ -121,7 +121,7 @@ impl Hosts {
     ) -> Self {
         Self {
             cfg,
-            aimd: scheme.rate == RateMode::PacketAimd,
+            aimd: matches!(scheme.rate, RateMode::PacketAimd | RateMode::PacketMprdma),
             scheme,
             proto,
             runtimes,
@@ -158,8 +158,12 @@ impl Sim {
         }
         let idx = h.pairs.len() as u32;
         let rate: Option<SharedRate> = (h.cfg.cc == CcKind::Mcc).then(|| Arc::new(Mutex::new(h.cfg.rate_controller())));
-        let aimd: Option<SharedAimd> = (h.scheme.rate == RateMode::PacketAimd)
-            .then(|| Arc::new(Mutex::new(PacketAimd::new(h.scheme.aimd_init_pkts.unwrap_or(h.proto.window_pkts), h.proto.window_pkts))));
+        let init = h.scheme.aimd_init_pkts.unwrap_or(h.proto.window_pkts);
+        let aimd: Option<SharedAimd> = match h.scheme.rate {
+            RateMode::PacketAimd => Some(Arc::new(Mutex::new(PacketAimd::new(init, h.proto.window_pkts)))),
+            RateMode::PacketMprdma => Some(Arc::new(Mutex::new(PacketAimd::per_mark(init, h.proto.window_pkts)))),
+            RateMode::Lb => None,
+        };
         let flow_seed = self.seed ^ (idx as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15);
         let policy = h.runtimes[src as usize].path_policy(FlowInfo { dst_host: dst as usize, rail }, flow_seed);
         let send_policy = Box::new(SimPolicy::new(policy, pin, rate.clone(), aimd.clone()));

@@ -87,6 +87,13 @@ impl Sim {
         };
         let mut rng = SmallRng::seed_from_u64(seed ^ 0x00C0_FFEE);
         let transfers = workload::generate(&sc.workload, fab.hosts, fab.rails, size, &mut rng)?;
+        if transfers.iter().any(|t| t.recv_at_start)
+            && (fab.rails != 1 || cfg.split != prism_lb::SplitKind::None || cfg.cc == prism_lb::CcKind::Mcc)
+        {
+            // A receive posted at the start sits on the connection the send will use: one rail and
+            // whole, unsplit, ungated messages make that connection known before the send is planned.
+            return Err(invalid("workload.parallel", "receives posted at the start need one rail, PRISM_SPLIT=none and no MCC"));
+        }
         let changes = if with_failures { network::link_changes(&fab, &sc.failures, seed)? } else { Vec::new() };
         let nics = fab.hosts * fab.rails;
         let n_hosts = fab.hosts;
@@ -135,6 +142,15 @@ impl Sim {
         }
         if self.metrics.sample_ps > 0 {
             self.q.push(0, Event::Sample);
+        }
+        for i in 0..self.work.transfers.len() {
+            let tr = &self.work.transfers[i];
+            if tr.recv_at_start && tr.src != tr.dst && tr.bytes > 0 {
+                let (src, dst, bytes) = (tr.src, tr.dst, tr.bytes);
+                let pair = self.pair_for(src, dst, 0, 0, None);
+                self.hosts.pairs[pair as usize].pending_recv.push_back(hosts::Piece { transfer: i as u32, bytes, ready_at: 0 });
+                self.pump_recv(pair);
+            }
         }
         for i in 0..self.work.transfers.len() {
             if self.work.transfers[i].deps.is_empty() {

@@ -226,6 +226,8 @@ impl Sim {
                     _ => rail,
                 };
                 let pin = (pin != u32::MAX).then_some(pin as u16);
+                // Checked when the engine was built: such a transfer has one group, (rail 0, no pin).
+                debug_assert!(!tr.recv_at_start || (rail, dst_rail, pin) == (0, 0, None));
                 let pair = self.pair_for(tr.src, tr.dst, rail, dst_rail, pin);
                 let ready_at = now + after_us as u64 * PS_PER_US;
                 let chunk = if gated { self.hosts.scheme.msg_chunk.max(1) } else { bytes };
@@ -235,7 +237,9 @@ impl Sim {
                     left -= b;
                     let piece = Piece { transfer: t, bytes: b, ready_at };
                     let p = &mut self.hosts.pairs[pair as usize];
-                    p.pending_recv.push_back(piece);
+                    if !tr.recv_at_start {
+                        p.pending_recv.push_back(piece);
+                    }
                     p.pending_send.push_back(piece);
                 }
                 self.pump_recv(pair);
