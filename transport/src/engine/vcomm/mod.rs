@@ -327,10 +327,28 @@ impl VerbsComm {
             self.on_ctl(&c, now);
         }
         self.revive_tick(now);
+        self.flush_posts();
+    }
+
+    /// Post what the QPs queued (one doorbell per QP with work); WRITEs that could not be posted
+    /// count as done (the NIC never saw them).
+    fn flush_posts(&mut self) {
+        let mut failed = Vec::new();
+        for set in &mut self.rails {
+            set.flush(|psn| failed.push(psn));
+        }
+        for psn in failed {
+            self.write_done(psn);
+        }
     }
 
     /// Post what proto wants to send.
     pub fn transmit(&mut self, conn: &mut Connection, now: u64) {
+        self.queue_transmit(conn, now);
+        self.flush_posts();
+    }
+
+    fn queue_transmit(&mut self, conn: &mut Connection, now: u64) {
         self.flush_fences();
         let mut rec = Recorder::default();
         for _ in 0..MAX_TX {
@@ -420,17 +438,65 @@ impl VerbsComm {
         self.rails[rail].post_send(q, &self.ctsbuf[..n]).map_err(Some)
     }
 
-    /// Per-rail, per-QP counters.
+    /// Per-rail, per-QP counters, and their totals over the comm's QPs (work per MiB of data).
     pub fn stats(&self) -> serde_json::Value {
+        let mut all = Vec::new();
         let rails: Vec<serde_json::Value> = self
             .rails
             .iter()
             .map(|s| {
                 let qps: Vec<QpStats> = s.stats();
+                all.extend(qps.iter().cloned());
                 serde_json::json!({ "device": s.device().name, "qps": qps })
             })
             .collect();
-        serde_json::json!({ "counters": self.counters, "rails": rails })
+        serde_json::json!({ "counters": self.counters, "totals": VerbsTotals::of(&all), "rails": rails })
+    }
+}
+
+/// Work of one comm's QPs, summed, and per MiB of data (sent: WRITE bytes posted; received: bytes
+/// the received WRITEs placed). Control packets are included in the counts.
+#[derive(Debug, Default, Clone, serde::Serialize)]
+pub(crate) struct VerbsTotals {
+    pub wqes: u64,
+    pub doorbells: u64,
+    pub signalled: u64,
+    pub send_cqes: u64,
+    pub recv_cqes: u64,
+    pub recv_doorbells: u64,
+    pub writes: u64,
+    pub sends: u64,
+    pub write_bytes: u64,
+    pub recv_write_bytes: u64,
+    pub wqes_per_mib: f64,
+    pub doorbells_per_mib: f64,
+    pub send_cqes_per_mib: f64,
+    pub recv_cqes_per_mib: f64,
+    pub recv_doorbells_per_mib: f64,
+}
+
+impl VerbsTotals {
+    fn of(qps: &[QpStats]) -> Self {
+        let mut t = Self::default();
+        for q in qps {
+            t.wqes += q.wqes;
+            t.doorbells += q.doorbells;
+            t.signalled += q.signalled;
+            t.send_cqes += q.send_cqes;
+            t.recv_cqes += q.recv_cqes;
+            t.recv_doorbells += q.recv_doorbells;
+            t.writes += q.writes;
+            t.sends += q.sends;
+            t.write_bytes += q.write_bytes;
+            t.recv_write_bytes += q.recv_write_bytes;
+        }
+        let per = |n: u64, bytes: u64| if bytes == 0 { 0.0 } else { n as f64 * 1_048_576.0 / bytes as f64 };
+        t.wqes_per_mib = per(t.wqes, t.write_bytes);
+        t.doorbells_per_mib = per(t.doorbells, t.write_bytes);
+        t.send_cqes_per_mib = per(t.send_cqes, t.write_bytes);
+        t.recv_cqes_per_mib = per(t.recv_cqes, t.recv_write_bytes);
+        t.recv_doorbells_per_mib = per(t.recv_doorbells, t.recv_write_bytes);
+        t
     }
 }
 
