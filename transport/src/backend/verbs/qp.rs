@@ -1,5 +1,5 @@
 //! The QPs of one connection on one rail ([`QpSet`]): creation, connection, posting WRITEs and
-//! SENDs, reaping completions, pairing each DATA header with its WRITE, and reset for re-creation.
+//! SENDs, reaping completions, and reset for re-creation.
 
 use std::collections::VecDeque;
 use std::sync::Arc;
@@ -17,10 +17,7 @@ use crate::wire::RailPeer;
 
 use super::device::VerbsDevice;
 use super::ring::Ring;
-use super::{
-    classify_header, flow_label, imm_of, match_header, udp_sport, PendingWrite, VerbsError, RC_RETRY, RC_TIMEOUT, RECV_DEPTH, SEND_SLOTS,
-    SLOT_BYTES,
-};
+use super::{flow_label, imm_of, udp_sport, VerbsError, RC_RETRY, RC_TIMEOUT, RECV_DEPTH, SEND_SLOTS, SLOT_BYTES};
 
 /// Counters of one QP (serialized into `PRISM_STATS`).
 #[derive(Debug, Clone, Default, serde::Serialize)]
@@ -55,14 +52,10 @@ pub struct QpStats {
     pub recv_write_bytes: u64,
     /// Receive doorbells: calls that post a chain of receive work requests.
     pub recv_doorbells: u64,
-    /// DATA headers delivered with their payload in place.
+    /// WRITE WITH IMM received (payload in place, header to be rebuilt).
     pub placed: u64,
-    /// Other packets received.
+    /// Packets received by SEND.
     pub received: u64,
-    /// WRITEs whose header never came (the next completion was not their header).
-    pub orphan_writes: u64,
-    /// DATA headers without their WRITE.
-    pub orphan_headers: u64,
     /// Error completions.
     pub errors: u64,
     /// The QP went to the error state or reported an error completion (and is not re-created yet).
@@ -81,7 +74,6 @@ struct Qp {
     wrs_in_flight: usize,
     slots_in_flight: usize,
     next_slot: usize,
-    pending: Option<PendingWrite>,
     /// Work requests accepted since the last [`QpSet::flush`], posted by it as one chain.
     queued: Vec<Wr>,
     /// Work requests posted and not known complete, in posting order (a send queue completes in
@@ -99,8 +91,9 @@ struct Qp {
 enum Wr {
     /// SEND of `len` bytes of send-ring slot `slot`.
     Send { slot: usize, len: u32 },
-    /// WRITE WITH IMM of `len` bytes from `local` (`lkey`) to `remote` (`rkey`), for PSN `psn`.
-    Write { local: u64, lkey: u32, len: u32, remote: u64, rkey: u32, psn: u64 },
+    /// WRITE WITH IMM of `len` bytes from `local` (`lkey`) to `remote` (`rkey`), for PSN `psn`
+    /// (`retx`: a retransmission).
+    Write { local: u64, lkey: u32, len: u32, remote: u64, rkey: u32, psn: u64, retx: bool },
 }
 
 /// A posted send work request not yet known complete.
@@ -115,9 +108,16 @@ struct Out {
 
 /// What a receive completion brought.
 pub enum RxEvent<'a> {
-    /// A DATA header whose payload its WRITE already placed.
-    Placed(&'a [u8]),
-    /// Any other packet (CTS, SACK, control, payload-less DATA).
+    /// A WRITE WITH IMM placed `len` bytes on QP `q`; `imm` is its immediate (host order).
+    Write {
+        /// QP index (entropy on this rail).
+        q: usize,
+        /// The immediate.
+        imm: u32,
+        /// Bytes placed.
+        len: u32,
+    },
+    /// A packet that came by SEND (descriptors, CTS, SACK, control, payload-less DATA).
     Packet(&'a [u8]),
 }
 
@@ -213,7 +213,6 @@ impl QpSet {
                 wrs_in_flight: 0,
                 slots_in_flight: 0,
                 next_slot: 0,
-                pending: None,
                 queued: Vec::new(),
                 outstanding: VecDeque::new(),
                 next_seq: 0,
@@ -302,7 +301,6 @@ impl QpSet {
         qp.wrs_in_flight = 0;
         qp.slots_in_flight = 0;
         qp.unsignalled = 0;
-        qp.pending = None;
         let mut drained: Vec<u64> = qp.outstanding.drain(..).filter_map(|o| o.write_psn).collect();
         drained.extend(qp.queued.drain(..).filter_map(|w| match w {
             Wr::Write { psn, .. } => Some(psn),
@@ -395,9 +393,9 @@ impl QpSet {
         Ok(())
     }
 
-    /// Queue a DATA packet on QP `q`: WRITE WITH IMM of `len` bytes from `local` (registered,
-    /// `lkey`) to `remote` (`rkey`), then a SEND of its 64-byte `header`; [`Self::flush`] posts
-    /// them. The caller checked the ranges.
+    /// Queue a DATA packet on QP `q`: a SEND of its descriptor `desc` when given, then a WRITE WITH
+    /// IMM of `len` bytes from `local` (registered, `lkey`) to `remote` (`rkey`) whose immediate
+    /// names `psn` and `retx`; [`Self::flush`] posts them. The caller checked the ranges.
     #[allow(clippy::too_many_arguments)]
     pub fn post_data(
         &mut self,
@@ -408,18 +406,23 @@ impl QpSet {
         remote: u64,
         rkey: u32,
         psn: u64,
-        header: &[u8],
+        retx: bool,
+        desc: Option<&[u8]>,
     ) -> Result<(), PostFail> {
-        if header.len() > SLOT_BYTES {
+        if desc.is_some_and(|d| d.len() > SLOT_BYTES) {
             return Err(PostFail::TooBig);
         }
-        self.check_postable(q, 2, true)?;
-        let slot = self.take_slot(q, header);
+        self.check_postable(q, 1 + usize::from(desc.is_some()), desc.is_some())?;
+        if let Some(d) = desc {
+            let slot = self.take_slot(q, d);
+            let qp = &mut self.qps[q];
+            qp.queued.push(Wr::Send { slot, len: d.len() as u32 });
+            qp.wrs_in_flight += 1;
+            qp.slots_in_flight += 1;
+        }
         let qp = &mut self.qps[q];
-        qp.queued.push(Wr::Write { local, lkey, len, remote, rkey, psn });
-        qp.queued.push(Wr::Send { slot, len: header.len() as u32 });
-        qp.wrs_in_flight += 2;
-        qp.slots_in_flight += 1;
+        qp.queued.push(Wr::Write { local, lkey, len, remote, rkey, psn, retx });
+        qp.wrs_in_flight += 1;
         Ok(())
     }
 
@@ -458,8 +461,8 @@ impl QpSet {
                         unsafe { h.setup_sge(ring_lkey, self.send_ring.addr(slot), len) };
                         qp.outstanding.push_back(Out { seq, slot: true, write_psn: None });
                     }
-                    Wr::Write { local, lkey, len, remote, rkey, psn } => {
-                        let w = g.construct_wr(id, flags).setup_write_imm(rkey, remote, imm_of(psn).to_be());
+                    Wr::Write { local, lkey, len, remote, rkey, psn, retx } => {
+                        let w = g.construct_wr(id, flags).setup_write_imm(rkey, remote, imm_of(psn, retx).to_be());
                         // SAFETY: `local..local + len` lies in memory registered with `lkey` that the
                         // caller keeps registered and unchanged until the WRITE completes (the engine
                         // holds the registration until `write_done` reported this PSN).
@@ -568,33 +571,13 @@ impl QpSet {
                 }
                 if opcode == WorkCompletionOperationType::ReceiveWithImmediate as u32 {
                     let qp = &mut self.qps[q];
-                    if qp.pending.is_some() {
-                        qp.stats.orphan_writes += 1;
-                    }
                     qp.stats.recv_write_bytes += u64::from(len);
-                    qp.pending = Some(PendingWrite { psn_low: imm, len });
+                    qp.stats.placed += 1;
+                    deliver(RxEvent::Write { q, imm, len });
                 } else if opcode == WorkCompletionOperationType::Receive as u32 {
                     let n = (len as usize).min(SLOT_BYTES);
-                    let bytes = &self.recv_ring.slot(slot)[..n];
-                    let qp = &mut self.qps[q];
-                    match classify_header(bytes) {
-                        Some((psn, plen)) if plen > 0 => {
-                            let pending = qp.pending.take();
-                            if match_header(pending, psn, plen) {
-                                qp.stats.placed += 1;
-                                deliver(RxEvent::Placed(bytes));
-                            } else {
-                                if pending.is_some() {
-                                    qp.stats.orphan_writes += 1;
-                                }
-                                qp.stats.orphan_headers += 1;
-                            }
-                        }
-                        _ => {
-                            qp.stats.received += 1;
-                            deliver(RxEvent::Packet(bytes));
-                        }
-                    }
+                    self.qps[q].stats.received += 1;
+                    deliver(RxEvent::Packet(&self.recv_ring.slot(slot)[..n]));
                 }
                 repost[q].push(slot);
             }

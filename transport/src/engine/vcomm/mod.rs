@@ -3,23 +3,26 @@
 //!
 //! Sender: proto writes a DATA header (its payload is not copied: the payload source only notes which
 //! bytes proto wanted), the payload goes as an RDMA WRITE WITH IMM from the send buffer to the address
-//! and rkey the receiver's CTS advertised, and the header follows as a SEND on the same QP. Receiver:
-//! proto's CTS is re-emitted with the buffers' registered addresses and per-rail rkeys; a header whose
-//! WRITE arrived goes to `Connection::handle_placed_data`, every other packet to `handle_datagram`.
+//! and rkey the receiver's CTS advertised; no header travels with it: a descriptor SEND per run of
+//! an item's packets (`desc`) and the immediate (the PSN) let the receiver rebuild it. Receiver:
+//! proto's CTS is re-emitted with the buffers' registered addresses and per-rail rkeys; a rebuilt
+//! header goes to `Connection::handle_rebuilt_data`, every other packet to `handle_datagram`.
 
 use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 use std::sync::Arc;
 
+mod desc;
 mod fence;
 mod recreate;
 
+use self::desc::{DescRx, DescTx};
 use self::fence::{parse_fence, Held};
 use super::revive::{self, QpCtlRx, Revive};
 use super::TransportError;
 use crate::backend::verbs::{MrKeys, PostFail, QpSet, QpStats, RailPeer, RxEvent, VerbsDevice, SLOT_BYTES};
 use crate::proto::{Connection, MsgId, NoPlacement, PayloadSource};
 use crate::wire::{CtsKeys, CtsPacket, CtsRepr, DataPacket, DataRepr, Header, PacketType, CTS_MAX_KEY_RAILS, DATA_HEADER_LEN};
-use crate::wire::{FenceKind, FenceRepr, QP_CTL_LEN};
+use crate::wire::{DescRepr, FenceKind, FenceRepr, QP_CTL_LEN};
 
 /// Most packets one transmit call posts (keeps test() short).
 const MAX_TX: usize = 256;
@@ -121,6 +124,11 @@ pub(crate) struct VerbsComm {
     connector: bool,
     /// Per rail: QPs are being re-created (for one info log per rail event).
     rail_reviving: Vec<bool>,
+    /// Payload of proto's packets (every one but an item's last).
+    max_payload: u32,
+    /// Descriptors: the sender's runs, the receiver's descriptors and waiting WRITEs.
+    desc_tx: DescTx,
+    desc_rx: DescRx,
     pub counters: VerbsCounters,
 }
 
@@ -184,6 +192,9 @@ impl VerbsComm {
             ctl_out: VecDeque::new(),
             connector,
             rail_reviving: vec![false; devs.len()],
+            max_payload: u32::try_from(max_payload).unwrap_or(u32::MAX),
+            desc_tx: DescTx::default(),
+            desc_rx: DescRx::default(),
             counters: VerbsCounters::default(),
         })
     }
@@ -274,17 +285,26 @@ impl VerbsComm {
         let mut done_psns = Vec::new();
         let mut fences = Vec::new();
         let mut ctls = Vec::new();
+        let mut descs = Vec::new();
+        let mut writes = Vec::new();
         let paths = self.paths as usize;
-        let Self { rails, remote, counters, .. } = self;
+        let Self { rails, remote, counters, desc_rx, .. } = self;
         let nrails = rails.len();
-        for set in rails.iter_mut() {
+        for (r, set) in rails.iter_mut().enumerate() {
             set.poll_send(|psn| done_psns.push(psn));
             set.check_states();
             set.poll_recv(|ev| match ev {
-                RxEvent::Placed(h) => conn.handle_placed_data(h, now),
+                RxEvent::Write { q, imm, len } => writes.push(((r * paths + q) as u16, imm, len)),
                 RxEvent::Packet(b) => {
                     if let Some(f) = parse_fence(b) {
                         fences.push(f);
+                        return;
+                    }
+                    if b.starts_with(crate::wire::verbs_desc::DESC_MAGIC) {
+                        match DescRepr::parse(b) {
+                            Ok(d) => descs.push(d),
+                            Err(_) => desc_rx.counters.descs_bad += 1,
+                        }
                         return;
                     }
                     match revive::classify(b, nrails, paths) {
@@ -311,6 +331,17 @@ impl VerbsComm {
                     conn.handle_datagram(b, now, &mut NoPlacement);
                 }
             });
+        }
+        // Descriptors first: a run's WRITEs on other QPs may have overtaken its descriptor.
+        let mut rebuilt = Vec::new();
+        for d in descs {
+            self.desc_rx.on_desc(d, &mut rebuilt);
+        }
+        for (entropy, imm, len) in writes {
+            self.desc_rx.on_write(entropy, imm, len, &mut rebuilt);
+        }
+        for h in &rebuilt {
+            conn.handle_rebuilt_data(h, now);
         }
         for psn in done_psns {
             self.write_done(psn);
@@ -410,7 +441,19 @@ impl VerbsComm {
         let rkey = keys.rkey[sub][rail.min(CTS_MAX_KEY_RAILS - 1)];
         let laddr = (local.addr as u64) + off;
         let lkey = local.keys[rail].lkey;
-        self.rails[rail].post_data(q, laddr, lkey, n as u32, raddr, rkey, d.psn, &self.txbuf[..DATA_HEADER_LEN]).map_err(Some)?;
+        let (desc, send_desc) = self.desc_tx.describe(&d, self.max_payload);
+        let desc = desc.to_bytes();
+        let desc = send_desc.then_some(&desc[..]);
+        let posted = self.rails[rail].post_data(q, laddr, lkey, n as u32, raddr, rkey, d.psn, d.retx, desc);
+        if let Err(e) = posted {
+            if send_desc {
+                self.desc_tx.forget(d.cts_seq, d.sub);
+            }
+            return Err(Some(e));
+        }
+        if send_desc {
+            self.desc_rx.counters.descs_sent += 1;
+        }
         let t = (d.cts_seq, d.sub);
         *self.writes_out.entry(d.psn).or_insert(0) += 1;
         if self.psn_target.insert(d.psn, t).is_none() {
@@ -450,7 +493,12 @@ impl VerbsComm {
                 serde_json::json!({ "device": s.device().name, "qps": qps })
             })
             .collect();
-        serde_json::json!({ "counters": self.counters, "totals": VerbsTotals::of(&all), "rails": rails })
+        serde_json::json!({
+            "counters": self.counters,
+            "descriptors": self.desc_rx.counters,
+            "totals": VerbsTotals::of(&all),
+            "rails": rails,
+        })
     }
 }
 
