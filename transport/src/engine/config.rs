@@ -306,6 +306,12 @@ mod tests {
     }
 
     #[test]
+    fn an_explicit_lb_chunk_is_noted_for_verbs() {
+        assert!(!TransportConfig::from_vars(&vars(&[])).unwrap().lb_chunk_set, "verbs may raise the default chunk");
+        assert!(TransportConfig::from_vars(&vars(&[("PRISM_CHUNK", "32768")])).unwrap().lb_chunk_set);
+    }
+
+    #[test]
     fn ib_chunk_must_be_whole_lines() {
         let e = TransportConfig::from_vars(&vars(&[("PRISM_IB_CHUNK", "65000")])).unwrap_err().to_string();
         assert_eq!(e, "PRISM_IB_CHUNK=65000: must be a multiple of 128 (NCCL's LL128 line)");

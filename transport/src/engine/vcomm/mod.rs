@@ -8,7 +8,7 @@
 //! proto's CTS is re-emitted with the buffers' registered addresses and per-rail rkeys; a rebuilt
 //! header goes to `Connection::handle_rebuilt_data`, every other packet to `handle_datagram`.
 
-use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
+use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::sync::Arc;
 
 mod desc;
@@ -16,13 +16,13 @@ mod fence;
 mod recreate;
 
 use self::desc::{DescRx, DescTx};
-use self::fence::{parse_fence, Held};
+use self::fence::{parse_fence, Fences};
 use super::revive::{self, QpCtlRx, Revive};
 use super::TransportError;
 use crate::backend::verbs::{MrKeys, PostFail, QpSet, QpStats, RailPeer, RxEvent, VerbsDevice, SLOT_BYTES};
 use crate::proto::{Connection, MsgId, NoPlacement, PayloadSource};
 use crate::wire::{CtsKeys, CtsPacket, CtsRepr, DataPacket, DataRepr, Header, PacketType, CTS_MAX_KEY_RAILS, DATA_HEADER_LEN};
-use crate::wire::{DescRepr, FenceKind, FenceRepr, QP_CTL_LEN};
+use crate::wire::{DescRepr, QP_CTL_LEN};
 
 /// Most packets one transmit call posts (keeps test() short).
 const MAX_TX: usize = 256;
@@ -99,24 +99,9 @@ pub(crate) struct VerbsComm {
     mem: HashMap<MsgId, Vec<BufMem>>,
     txbuf: Vec<u8>,
     ctsbuf: Vec<u8>,
-    /// WRITEs per PSN posted and not completed locally. A retransmission waits until none is left:
-    /// an older copy still queued could otherwise land after the receive completed and its buffer was
-    /// reused (an RDMA WRITE is placed before anybody can check it).
-    writes_out: HashMap<u64, u32>,
-    /// Sender: the buffer (cts_seq, sub) each outstanding PSN writes into, WRITEs left per buffer,
-    /// the buffer of each send, buffers whose FENCE waits for their WRITEs, FENCEs sent.
-    psn_target: HashMap<u64, (u64, u8)>,
-    writes_to: HashMap<(u64, u8), u32>,
-    msg_target: HashMap<MsgId, (u64, u8)>,
-    fence_wait: HashSet<(u64, u8)>,
-    fenced: VecDeque<(u64, u8)>,
-    fence_out: VecDeque<FenceRepr>,
+    /// FENCE bookkeeping (both directions).
+    fences: Fences,
     fence_rr: usize,
-    /// Sends done whose registrations wait for their last WRITE to leave the send queue.
-    release_later: HashMap<(u64, u8), MsgId>,
-    /// Receiver: FENCEs received, and the receives waiting for theirs.
-    fences_got: HashSet<(u64, u8)>,
-    held: Vec<Held>,
     /// Re-creation state per QP, indexed rail * paths + q; our control packets waiting for a live QP.
     revive: Vec<Revive>,
     ctl_out: VecDeque<[u8; QP_CTL_LEN]>,
@@ -140,7 +125,7 @@ impl Drop for VerbsComm {
     fn drop(&mut self) {
         let devs: Vec<Arc<VerbsDevice>> = self.rails.iter().map(|s| s.device().clone()).collect();
         self.rails.clear();
-        self.release_later.clear();
+        self.fences.clear_release_later();
         for (_, mems) in self.mem.drain() {
             for m in &mems {
                 for (dev, k) in devs.iter().zip(&m.keys) {
@@ -177,17 +162,8 @@ impl VerbsComm {
             mem: HashMap::new(),
             txbuf: vec![0u8; DATA_HEADER_LEN + max_payload],
             ctsbuf: vec![0u8; SLOT_BYTES],
-            writes_out: HashMap::new(),
-            psn_target: HashMap::new(),
-            writes_to: HashMap::new(),
-            msg_target: HashMap::new(),
-            fence_wait: HashSet::new(),
-            fenced: VecDeque::new(),
-            fence_out: VecDeque::new(),
+            fences: Fences::default(),
             fence_rr: 0,
-            release_later: HashMap::new(),
-            fences_got: HashSet::new(),
-            held: Vec::new(),
             revive: (0..devs.len()).flat_map(|r| (0..paths.max(1)).map(move |q| Revive::new(r as u8, q))).collect(),
             ctl_out: VecDeque::new(),
             connector,
@@ -265,7 +241,7 @@ impl VerbsComm {
     /// Message `msg` is done: drop its registrations (for a send with WRITEs still queued, once they
     /// have left).
     pub fn release(&mut self, msg: MsgId) {
-        if self.release_later.values().any(|m| *m == msg) {
+        if self.fences.keeps(msg) {
             return;
         }
         self.release_now(msg);
@@ -346,13 +322,8 @@ impl VerbsComm {
         for psn in done_psns {
             self.write_done(psn);
         }
-        for FenceRepr { kind, cts_seq, sub } in fences {
-            if kind == FenceKind::Fence {
-                self.counters.fences_received += 1;
-                self.fences_got.insert((cts_seq, sub));
-            } else if self.fenced.contains(&(cts_seq, sub)) {
-                self.fence_out.push_back(FenceRepr { kind: FenceKind::Fence, cts_seq, sub });
-            }
+        for f in fences {
+            self.fences.on_packet(f, &mut self.counters);
         }
         for c in ctls {
             self.on_ctl(&c, now);
@@ -433,7 +404,7 @@ impl VerbsComm {
             self.counters.bad_remote_range += 1;
             return Err(None);
         }
-        if d.retx && self.writes_out.contains_key(&d.psn) {
+        if d.retx && !self.fences.may_write_again(d.psn) {
             self.counters.retx_held += 1;
             return Err(None);
         }
@@ -454,12 +425,7 @@ impl VerbsComm {
         if send_desc {
             self.desc_rx.counters.descs_sent += 1;
         }
-        let t = (d.cts_seq, d.sub);
-        *self.writes_out.entry(d.psn).or_insert(0) += 1;
-        if self.psn_target.insert(d.psn, t).is_none() {
-            *self.writes_to.entry(t).or_insert(0) += 1;
-        }
-        self.msg_target.insert(msg, t);
+        self.fences.posted(d.psn, (d.cts_seq, d.sub), msg);
         Ok(())
     }
 
