@@ -1,7 +1,8 @@
 //! FENCE (verbs): a receive completes only once the sender said that none of its WRITEs to the
 //! buffer can still land (the packet is [`crate::wire::fence`]). The sender sends one per buffer
 //! once the WRITEs of a completed send left its queues; the receiver holds the receive until its
-//! FENCEs came, asks again after 20 ms and gives up after 2 s.
+//! FENCEs came, asks again after 20 ms (or twice the usual wait for a FENCE, when that is longer: a
+//! slow peer is not flooded with requests) and gives up after 2 s.
 //!
 //! The bookkeeping ([`Fences`]) is pure (no device, no clock of its own), so the guarantee is tested
 //! here: with a retransmission posted only once every older copy of its PSN left the send queue,
@@ -22,6 +23,8 @@ use super::{VerbsComm, VerbsCounters};
 const FENCE_REQ_US: u64 = 20_000;
 /// ... and gives up waiting after this long (µs): a peer that answers nothing writes nothing either.
 const FENCE_GIVE_UP_US: u64 = 2_000_000;
+/// The receiver never waits longer than this before asking again (µs).
+const FENCE_REQ_MAX_US: u64 = 500_000;
 /// FENCEs the sender remembers (to answer repeated requests).
 const FENCES_KEPT: usize = 4096;
 
@@ -63,6 +66,8 @@ pub(super) struct Fences {
     /// Receiver: FENCEs received, and the receives waiting for theirs.
     got: HashSet<Target>,
     held: Vec<Held>,
+    /// Smoothed wait of held receives for their FENCEs (µs; 0 before the first).
+    wait_us: u64,
 }
 
 impl Fences {
@@ -176,6 +181,11 @@ impl Fences {
             let got = &mut self.got;
             h.need.retain(|t| !got.remove(t));
             let give_up = now.saturating_sub(h.since) > FENCE_GIVE_UP_US;
+            if h.need.is_empty() {
+                // How long a FENCE takes here (7/8 smoothing; give-ups do not count).
+                let w = now.saturating_sub(h.since);
+                self.wait_us = if self.wait_us == 0 { w } else { (7 * self.wait_us + w) / 8 };
+            }
             if h.need.is_empty() || give_up {
                 if give_up && !h.need.is_empty() {
                     counters.fence_give_ups += 1;
@@ -185,7 +195,7 @@ impl Fences {
                 out.push((h.msg, h.sizes));
                 continue;
             }
-            if now.saturating_sub(h.asked) > FENCE_REQ_US {
+            if now.saturating_sub(h.asked) > FENCE_REQ_US.max(2 * self.wait_us).min(FENCE_REQ_MAX_US) {
                 h.asked = now;
                 for &(c, s) in &h.need {
                     self.out.push_back(FenceRepr { kind: FenceKind::Request, cts_seq: c, sub: s });
@@ -300,6 +310,29 @@ mod tests {
         assert_eq!(tx.out.drain(..).collect::<Vec<_>>(), vec![fence_of(B)]);
         rx.on_packet(f[0], &mut c);
         assert_eq!(rx.received(RECV, Some(4), vec![100, 0], 0, &mut c), Some(vec![100, 0]), "empty buffers need none");
+    }
+
+    /// A peer whose FENCEs take 50 ms is asked again only after twice that, not every 20 ms.
+    #[test]
+    fn the_receiver_asks_again_after_twice_the_usual_wait() {
+        let mut c = VerbsCounters::default();
+        let mut rx = Fences::default();
+        for i in 0..20u64 {
+            let t0 = i * 1_000_000;
+            assert_eq!(rx.received(RECV, Some(i), vec![1], t0, &mut c), None);
+            assert!(rx.released(t0 + 30_000, &mut c).is_empty());
+            rx.on_packet(FenceRepr { kind: FenceKind::Fence, cts_seq: i, sub: 0 }, &mut c);
+            assert_eq!(rx.released(t0 + 50_000, &mut c).len(), 1);
+            rx.out.clear();
+        }
+        assert!(c.fence_requests >= 1, "the first waits asked after 20 ms");
+        let asked = c.fence_requests;
+        let t0 = 100_000_000;
+        assert_eq!(rx.received(RECV, Some(99), vec![1], t0, &mut c), None);
+        assert!(rx.released(t0 + 60_000, &mut c).is_empty());
+        assert_eq!(c.fence_requests, asked, "no request before twice the usual wait");
+        assert!(rx.released(t0 + 110_000, &mut c).is_empty());
+        assert_eq!(c.fence_requests, asked + 1);
     }
 
     /// Tiny deterministic generator (no dependency, same sequence on every run).
