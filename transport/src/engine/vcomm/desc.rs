@@ -11,8 +11,9 @@ use crate::wire::{DataPacket, DataRepr, DescRepr, DATA_HEADER_LEN};
 
 /// Runs the sender remembers (one per receive buffer being written; older ones are long done).
 const TX_RUNS: usize = 4096;
-/// Descriptors the receiver keeps.
-const RX_DESCS: usize = 256;
+/// Descriptors the receiver keeps at least; more with a larger window: more than the runs a full
+/// window can have in flight (each packet a run of its own in the worst case).
+const RX_DESCS: usize = 1024;
 /// WRITEs the receiver holds while their descriptor is missing.
 const RX_HELD: usize = 1024;
 
@@ -100,18 +101,24 @@ struct Held {
 /// Receiver side: the descriptors received and the WRITEs waiting for theirs.
 #[derive(Default)]
 pub(super) struct DescRx {
+    max_descs: usize,
     descs: BTreeMap<u64, DescRepr>,
     held: VecDeque<Held>,
     pub counters: DescCounters,
 }
 
 impl DescRx {
+    /// For a connection with a window of `window_pkts` packets.
+    pub(super) fn new(window_pkts: usize) -> Self {
+        Self { max_descs: RX_DESCS.max(window_pkts.saturating_add(64)), ..Self::default() }
+    }
+
     /// A descriptor came (already parsed and checked): keep it and rebuild the waiting WRITEs it
     /// describes into `out` (each a 64-byte DATA header).
     pub(super) fn on_desc(&mut self, d: DescRepr, out: &mut Vec<[u8; DATA_HEADER_LEN]>) {
         self.counters.descs_received += 1;
         self.descs.insert(d.first_psn, d);
-        while self.descs.len() > RX_DESCS {
+        while self.descs.len() > self.max_descs.max(1) {
             self.descs.pop_first();
         }
         if self.held.is_empty() {
@@ -218,7 +225,7 @@ mod tests {
             }
         }
         assert_eq!(sent.len(), 1, "one descriptor for the buffer");
-        let mut rx = DescRx::default();
+        let mut rx = DescRx::new(512);
         let mut out = Vec::new();
         // Packet 2 overtakes the descriptor (another QP); the others come after it.
         rx.on_write(9, imm_of(pkts[2].psn, false), pkts[2].len, &mut out);
@@ -242,7 +249,7 @@ mod tests {
         assert!(!tx.describe(&data(11, u64::from(PKT), PKT, total, false), PKT).1);
         let (d, send) = tx.describe(&data(11, u64::from(PKT), PKT, total, true), PKT);
         assert!(send);
-        let mut rx = DescRx::default();
+        let mut rx = DescRx::new(512);
         let mut out = Vec::new();
         rx.on_desc(d, &mut out);
         rx.on_write(0, imm_of(11, true), PKT, &mut out);
@@ -256,7 +263,7 @@ mod tests {
         let total = 2 * u64::from(PKT);
         let mut tx = DescTx::default();
         let (d, _) = tx.describe(&data(10, 0, PKT, total, false), PKT);
-        let mut rx = DescRx::default();
+        let mut rx = DescRx::new(512);
         let mut out = Vec::new();
         rx.on_desc(d, &mut out);
         rx.on_write(0, imm_of(10, false), PKT - 128, &mut out);
@@ -269,6 +276,24 @@ mod tests {
         assert!(out.is_empty());
         assert_eq!(rx.held.len(), RX_HELD);
         assert_eq!(rx.counters.writes_held_dropped, 13);
+    }
+
+    /// A full window of one-packet runs stays described; older descriptors go first.
+    #[test]
+    fn a_window_of_runs_stays_described() {
+        let mut rx = DescRx::new(2000);
+        let mut out = Vec::new();
+        let mut tx = DescTx::default();
+        for i in 0..3000u64 {
+            let d = DataRepr { cts_seq: i, ..data(10_000 + i, 0, 128, 128, false) };
+            rx.on_desc(tx.describe(&d, PKT).0, &mut out);
+        }
+        assert_eq!(rx.descs.len(), 2064);
+        rx.on_write(0, imm_of(10_000 + 3000 - 2000, false), 128, &mut out);
+        assert_eq!(out.len(), 1, "a run 2,000 runs back is still described");
+        rx.on_write(0, imm_of(10_000 + 10, false), 128, &mut out);
+        assert_eq!(out.len(), 1, "the oldest runs are forgotten");
+        assert_eq!(DescRx::new(0).max_descs, RX_DESCS);
     }
 
     /// A packet that is not proto's usual size gets a run of its own, described exactly.

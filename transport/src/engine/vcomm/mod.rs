@@ -20,7 +20,7 @@ use self::fence::{parse_fence, Fences};
 use super::revive::{self, QpCtlRx, Revive};
 use super::TransportError;
 use crate::backend::verbs::{MrKeys, PostFail, QpSet, QpStats, RailPeer, RxEvent, VerbsDevice, SLOT_BYTES};
-use crate::proto::{Connection, MsgId, NoPlacement, PayloadSource};
+use crate::proto::{Connection, MsgId, NoPlacement, PayloadSource, ProtoConfig};
 use crate::wire::{CtsKeys, CtsPacket, CtsRepr, DataPacket, DataRepr, Header, PacketType, CTS_MAX_KEY_RAILS, DATA_HEADER_LEN};
 use crate::wire::{DescRepr, QP_CTL_LEN};
 
@@ -144,9 +144,10 @@ impl VerbsComm {
         paths: u16,
         rc: bool,
         token: u64,
-        max_payload: usize,
+        proto: &ProtoConfig,
         connector: bool,
     ) -> Result<Self, TransportError> {
+        let max_payload = proto.max_payload;
         let base = crate::backend::verbs::flow_label_base(token, paths);
         let rails = devs
             .iter()
@@ -170,7 +171,7 @@ impl VerbsComm {
             rail_reviving: vec![false; devs.len()],
             max_payload: u32::try_from(max_payload).unwrap_or(u32::MAX),
             desc_tx: DescTx::default(),
-            desc_rx: DescRx::default(),
+            desc_rx: DescRx::new(proto.window_pkts as usize),
             counters: VerbsCounters::default(),
         })
     }
