@@ -165,3 +165,38 @@ fn a_duplicate_placed_header_is_counted_once() {
     assert!(b.stats().duplicates >= 1);
     assert!(matches!(b.poll_completion(), Some(Completion::Received { .. })));
 }
+
+/// Run one 4,500-byte message through `deliver` (the receiver's side of each DATA packet, its header
+/// rebuilt without a timestamp) and return the sender's RTT samples: (count, largest µs).
+fn rtt_with_rebuilt_headers(deliver: impl Fn(&mut Connection, &[u8], u64)) -> (u64, u64, bool) {
+    let (mut a, mut b) = pair();
+    let msg: Vec<u8> = (0..4500u32).map(|i| i as u8).collect();
+    b.post_recv(&[RecvSpec { len: 5000, tag: 3 }], 0).unwrap();
+    a.post_send(msg.len() as u64, 3, 0).unwrap();
+    exchange(&mut a, &mut b, &msg, |b, p, now| {
+        let d = DataRepr::parse(&DataPacket::new_checked(p).unwrap()).unwrap();
+        // What the verbs backend rebuilds from a descriptor and an immediate: no send timestamp.
+        let r = DataRepr { ts_us: 0, ..d };
+        let mut h = vec![0u8; DATA_HEADER_LEN];
+        r.emit(&mut DataPacket::new_unchecked(&mut h[..]));
+        deliver(b, &h, now);
+    });
+    let received = std::iter::from_fn(|| b.poll_completion()).any(|c| matches!(c, Completion::Received { .. }));
+    let samples = a.stats().paths.iter().map(|p| p.rtt_samples).sum();
+    let max = a.stats().paths.iter().map(|p| p.rtt_max_us).max().unwrap_or(0);
+    (samples, max, received)
+}
+
+/// A rebuilt header has no send timestamp: its SACK echoes the PSN and the sender looks the send
+/// time up, so RTT samples stay true (the exchange's rounds are 100 µs apart). Given as an ordinary
+/// placed header, the zero timestamp would be echoed and taken for a send time (an RTT of the whole
+/// clock), which is what the PSN echo prevents.
+#[test]
+fn rebuilt_headers_echo_their_psn_and_rtt_samples_stay_true() {
+    let (samples, max, received) = rtt_with_rebuilt_headers(|b, h, now| b.handle_rebuilt_data(h, now));
+    assert!(received, "the receive did not complete");
+    assert!(samples > 0, "no RTT sample from an echo by PSN");
+    assert!(max <= 1_000, "RTT sample {max} µs from an echo by PSN");
+    let (samples, max, _) = rtt_with_rebuilt_headers(|b, h, now| b.handle_placed_data(h, now));
+    assert!(samples > 0 && max > 1_000, "the zero timestamp echoed as such gives a false sample ({samples}, {max} µs)");
+}

@@ -38,6 +38,20 @@ metric prism_perf_seconds "$(awk -v a="$t0" -v b="$(up)" 'BEGIN { printf "%.1f",
 check_perf prism "$OUT/perf.rank0.json" "$NSIZES"
 check_backend prism "$OUT/perf.rank0.json.rank0.stats.json" "$OUT/perf.rank1.json.rank1.stats.json"
 if [ "$TRANSPORT" = verbs ]; then
+  # Verbs work per MiB of data, both ranks' comms summed (each comm's `verbs.totals` in PRISM_STATS):
+  # send WQEs, send doorbells and send completions per MiB written, receive completions and receive
+  # doorbells per MiB placed; control packets included.
+  work=$(cat "$OUT/perf.rank0.json.rank0.stats.json" "$OUT/perf.rank1.json.rank1.stats.json" 2>/dev/null | jq -rs '
+    [.[] | .. | objects | select(has("verbs")) | .verbs.totals? | select(. != null)] as $t
+    | def s(k): $t | map(.[k] // 0) | add // 0;
+      def per(n; b): if b > 0 then n * 1048576 / b * 100 | round / 100 else "null" end;
+      "\(per(s("wqes"); s("write_bytes"))) \(per(s("doorbells"); s("write_bytes"))) \(per(s("send_cqes"); s("write_bytes"))) \(per(s("recv_cqes"); s("recv_write_bytes"))) \(per(s("recv_doorbells"); s("recv_write_bytes"))) \(s("writes")) \(s("write_bytes"))"')
+  set -- $work
+  metric verbs_wqes_per_MiB "${1:-null}"; metric verbs_doorbells_per_MiB "${2:-null}"
+  metric verbs_send_cqes_per_MiB "${3:-null}"; metric verbs_recv_cqes_per_MiB "${4:-null}"
+  metric verbs_recv_doorbells_per_MiB "${5:-null}"
+  metric verbs_writes "${6:-null}"
+  metric verbs_bytes_per_write "$(awk -v w="${6:-0}" -v b="${7:-0}" 'BEGIN { if (w > 0) printf "%.0f", b / w; else print "null" }')"
   # getProperties of rxe0 as rank 0 reported it, against the guest's sysfs (issue 11 item 6). rxe has no
   # `device` link, so Prism places it on its netdev's PCI function; the veth va has none: pciPath NULL.
   ibd=/sys/class/infiniband/rxe0

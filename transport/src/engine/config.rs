@@ -42,6 +42,9 @@ pub struct TransportConfig {
     pub ib_gid_index: Option<u8>,
     /// `PRISM_IB_CHUNK`: payload bytes of one verbs DATA packet (one RDMA WRITE).
     pub ib_chunk: u32,
+    /// `PRISM_CHUNK` (the load-balancing chunk) was set: on verbs it then caps `ib_chunk`;
+    /// otherwise the chunk grows to `ib_chunk` there.
+    pub lb_chunk_set: bool,
     /// `PRISM_UDP_GSO`: send runs of equal datagrams of one entropy as one GSO train (`UDP_SEGMENT`)
     /// where the kernel supports it.
     pub udp_gso: bool,
@@ -88,6 +91,7 @@ impl Default for TransportConfig {
             qp: QpType::Uc,
             ib_gid_index: None,
             ib_chunk: 65_536,
+            lb_chunk_set: false,
             udp_gso: true,
             udp_gro: true,
         }
@@ -214,6 +218,7 @@ impl TransportConfig {
             c.ib_gid_index = Some(g);
         }
         num(vars, "PRISM_IB_CHUNK", 1024, 1 << 24, &mut c.ib_chunk)?;
+        c.lb_chunk_set = vars.contains_key("PRISM_CHUNK");
         flag(vars, "PRISM_UDP_GSO", &mut c.udp_gso)?;
         flag(vars, "PRISM_UDP_GRO", &mut c.udp_gro)?;
         if !(c.ib_chunk as usize).is_multiple_of(crate::wire::LINE_BYTES) {
@@ -298,6 +303,12 @@ mod tests {
             assert!(e.starts_with(&format!("{k}={v}: ")), "{e}");
         }
         assert_eq!(TransportConfig::default().transport, Transport::Auto);
+    }
+
+    #[test]
+    fn an_explicit_lb_chunk_is_noted_for_verbs() {
+        assert!(!TransportConfig::from_vars(&vars(&[])).unwrap().lb_chunk_set, "verbs may raise the default chunk");
+        assert!(TransportConfig::from_vars(&vars(&[("PRISM_CHUNK", "32768")])).unwrap().lb_chunk_set);
     }
 
     #[test]

@@ -43,7 +43,7 @@ pub struct Net {
 
 impl Net {
     /// Discover the rails, bind their sockets and get ready to listen and connect.
-    pub fn new(cfg: TransportConfig, lb: prism_lb::LbConfig) -> Result<Net, TransportError> {
+    pub fn new(cfg: TransportConfig, mut lb: prism_lb::LbConfig) -> Result<Net, TransportError> {
         let vdevs = match cfg.transport {
             Transport::Udp => {
                 tracing::info!("transport: udp (PRISM_TRANSPORT=udp)");
@@ -91,6 +91,11 @@ impl Net {
                 // an even chunk and one rail carried everything). Both sizes are whole lines
                 // (multiples of `wire::LINE_BYTES`, checked by their parsers; rounded here again), so
                 // every WRITE but a buffer's last one ends on a line boundary (NCCL's LL/LL128).
+                // Unless PRISM_CHUNK says otherwise, the chunk grows to the verbs packet (a WRITE's
+                // segmentation is the NIC's business, not bound by the MTU): 64 KiB by default.
+                if !cfg.lb_chunk_set && lb.chunk_bytes < cfg.ib_chunk {
+                    lb.chunk_bytes = cfg.ib_chunk;
+                }
                 let payload = cfg.ib_chunk.min(lb.chunk_bytes.max(1024)) as usize;
                 let payload = payload - payload % wire::LINE_BYTES;
                 min_dgram = min_dgram.min(wire::MAX_HEADER_LEN + payload);

@@ -91,7 +91,7 @@ impl NetInner {
             return Ok(None);
         }
         let devs: Vec<Arc<VerbsDevice>> = self.rails.iter().filter_map(|r| r.backend.verbs().cloned()).collect();
-        VerbsComm::create(&devs, self.cfg.paths, self.cfg.qp == QpType::Rc, token, self.proto.max_payload, connector).map(Some)
+        VerbsComm::create(&devs, self.cfg.paths, self.cfg.qp == QpType::Rc, token, &self.proto, connector).map(Some)
     }
 }
 

@@ -200,7 +200,7 @@ impl Connection {
     /// One datagram from the network. Anything malformed, misaddressed or inconsistent is dropped and
     /// counted in `stats().dropped`; payload reaches `placer` only inside a posted buffer.
     pub fn handle_datagram(&mut self, bytes: &[u8], now: Micros, placer: &mut dyn Placer) {
-        self.handle_packet(bytes, now, Some(placer));
+        self.handle_packet(bytes, now, Some(placer), false);
     }
 
     /// A DATA header whose payload was already written into the posted buffer by the network (the
@@ -209,11 +209,18 @@ impl Connection {
     /// the posted size, duplicate PSNs, SACK), but nothing is copied. Anything that is not such a
     /// header is dropped and counted.
     pub fn handle_placed_data(&mut self, header: &[u8], now: Micros) {
-        self.handle_packet(header, now, None);
+        self.handle_packet(header, now, None, false);
+    }
+
+    /// As [`Self::handle_placed_data`], for a header the verbs backend rebuilt from a WRITE's
+    /// immediate and the sender's item descriptor: its `ts_us` is not a send timestamp, so the SACK
+    /// it triggers echoes its PSN instead (the sender looks the send time up).
+    pub fn handle_rebuilt_data(&mut self, header: &[u8], now: Micros) {
+        self.handle_packet(header, now, None, true);
     }
 
     /// `placer` None: `bytes` is a payload-less DATA header whose payload is already in place.
-    fn handle_packet(&mut self, bytes: &[u8], now: Micros, placer: Option<&mut dyn Placer>) {
+    fn handle_packet(&mut self, bytes: &[u8], now: Micros, placer: Option<&mut dyn Placer>, echo_psn: bool) {
         let now = self.clock(now);
         let header = match Header::new_checked(bytes) {
             Ok(h) => h,
@@ -261,9 +268,9 @@ impl Connection {
             Parsed::Data(d) => match placer {
                 Some(placer) => {
                     let pkt = DataPacket::new_unchecked(bytes);
-                    self.on_data(&d, Some(pkt.payload()), now, placer);
+                    self.on_data(&d, Some(pkt.payload()), now, placer, false);
                 }
-                None => self.on_data(&d, None, now, &mut super::NoPlacement),
+                None => self.on_data(&d, None, now, &mut super::NoPlacement, echo_psn),
             },
             Parsed::Cts(c) => self.on_cts(&c),
             Parsed::Sack(s) => self.on_sack(&s, now),

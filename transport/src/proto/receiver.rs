@@ -6,6 +6,7 @@ use std::collections::{BTreeMap, VecDeque};
 use super::connection::Connection;
 use super::window::{Arrival, PsnWindow};
 use super::{Completion, Micros, MsgError, MsgId, Placer, RecvSpec, Transmit};
+use crate::wire::sack::ECHO_BY_PSN;
 use crate::wire::{CtsBuf, CtsPacket, CtsRepr, DataRepr, SackPacket, SackRepr, MAX_RECV_BUFS};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -281,7 +282,10 @@ impl Connection {
 
     /// A checked DATA packet arrived: dedup by PSN, validate against the posted buffer, place, ack.
     /// `payload` None: the payload is already in the buffer (RDMA WRITE); only the header counts.
-    pub(super) fn on_data(&mut self, d: &DataRepr, payload: Option<&[u8]>, now: Micros, placer: &mut dyn Placer) {
+    /// `echo_psn`: the header was rebuilt by the verbs backend without a send timestamp; the SACK it
+    /// triggers echoes its PSN instead (`wire::sack::FLAG_ECHO_PSN`).
+    pub(super) fn on_data(&mut self, d: &DataRepr, payload: Option<&[u8]>, now: Micros, placer: &mut dyn Placer, echo_psn: bool) {
+        let (echo_entropy, echo_ts) = if echo_psn { (d.entropy | ECHO_BY_PSN, d.psn as u32) } else { (d.entropy, d.ts_us) };
         self.stats.data_pkts_received += 1;
         match self.rx.window.classify(d.psn) {
             Arrival::Duplicate => {
@@ -289,7 +293,7 @@ impl Connection {
                 // The sender resent something we have: its view is stale, so tell it now, and tell it
                 // the resend was needless (its reorder threshold is too tight) unless the network
                 // merely duplicated an original.
-                self.rx.trigger = Some((d.psn, d.entropy, d.ts_us));
+                self.rx.trigger = Some((d.psn, echo_entropy, echo_ts));
                 self.rx.spurious = d.retx;
                 self.rx.sack_due = true;
                 return;
@@ -308,7 +312,7 @@ impl Connection {
         let end_before = self.rx.window.end();
         self.rx.window.insert(d.psn);
         let rx = &mut self.rx;
-        rx.trigger = Some((d.psn, d.entropy, d.ts_us));
+        rx.trigger = Some((d.psn, echo_entropy, echo_ts));
         rx.spurious = false;
         rx.congested |= d.ce;
         rx.unsacked += 1;
@@ -445,7 +449,7 @@ impl Connection {
         // this end knows better (the path is dead, or unproven during a failure episode: a connection
         // that also sends, or a driver's hint, learnt it; the way back may hash elsewhere).
         let entropy = match echo {
-            Some((e, _)) if self.path_preferred(e % self.cfg.n_paths) => e % self.cfg.n_paths,
+            Some((e, _)) if self.path_preferred((e & !ECHO_BY_PSN) % self.cfg.n_paths) => (e & !ECHO_BY_PSN) % self.cfg.n_paths,
             _ => self.ctl_entropy(),
         };
         Some(Transmit { entropy, len: repr.buffer_len() })

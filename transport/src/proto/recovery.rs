@@ -43,6 +43,7 @@ use super::connection::Connection;
 use super::path::TxEntry;
 use super::sender::{PktState, SentPkt};
 use super::Micros;
+use crate::wire::sack::ECHO_BY_PSN;
 use crate::wire::SackRepr;
 
 /// An RTT this far above the path's base RTT (in addition to doubling it) counts as congestion when
@@ -129,7 +130,10 @@ impl Connection {
             self.stats.spurious_retransmissions += 1;
             self.on_spurious();
         }
-        let echo = sack.echo.and_then(|(entropy, ts)| self.echo_sample(entropy, ts, sack.congested, now));
+        let echo = sack
+            .echo
+            .and_then(|(entropy, ts)| self.echo_ts(entropy, ts))
+            .and_then(|(entropy, ts)| self.echo_sample(entropy, ts, sack.congested, now));
         if let Some(e) = echo {
             // The echoed copy (whichever PSN, even a duplicate) left at `now - rtt` and arrived: a
             // reference for the time-based rule, even when its PSN was acknowledged before (a
@@ -166,6 +170,27 @@ impl Connection {
         while psn < cum_psn {
             self.mark_sacked(psn, now, echo);
             psn += 1;
+        }
+    }
+
+    /// The (entropy, send timestamp) an echo names. An echo by PSN (`ECHO_BY_PSN`: a verbs WRITE
+    /// whose header the receiver rebuilt) is looked up: the copy of that PSN sent on that entropy
+    /// (the latest, or the one before it); None when the PSN is no longer outstanding or no copy
+    /// went that way.
+    fn echo_ts(&self, entropy: u16, ts: u32) -> Option<(u16, u32)> {
+        if entropy & ECHO_BY_PSN == 0 {
+            return Some((entropy, ts));
+        }
+        let entropy = entropy & !ECHO_BY_PSN;
+        let tx = &self.tx;
+        let i = ts.wrapping_sub(tx.snd_una as u32) as usize;
+        let rec = tx.ring.get(i)?;
+        if rec.entropy == entropy {
+            Some((entropy, rec.sent_at as u32))
+        } else if rec.resent && rec.prev_copy.0 == entropy {
+            Some((entropy, rec.prev_copy.1 as u32))
+        } else {
+            None
         }
     }
 

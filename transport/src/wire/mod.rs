@@ -23,6 +23,7 @@ pub mod hello;
 pub mod qp_ctl;
 pub mod sack;
 pub mod verbs_block;
+pub mod verbs_desc;
 
 pub use control::{ControlKind, ControlPacket, ControlRepr, CONTROL_LEN};
 pub use cts::{CtsBuf, CtsKeys, CtsPacket, CtsRepr, CTS_KEYED_MAX_LEN, CTS_MAX_KEY_RAILS, CTS_MAX_LEN};
@@ -33,6 +34,7 @@ pub use hello::{HelloBackend, HelloKind, HelloPacket, HelloRepr, HELLO_LEN, HELL
 pub use qp_ctl::{QpCtlKind, QpCtlPacket, QpCtlRepr, QP_CTL_LEN};
 pub use sack::{SackPacket, SackRepr, SACK_BITMAP_PSNS, SACK_LEN};
 pub use verbs_block::{RailPeer, VerbsBlock, VerbsBlockRepr};
+pub use verbs_desc::{DescRepr, DESC_LEN};
 
 /// Protocol version this build speaks; packets of any other version are dropped.
 pub const VERSION: u8 = 1;

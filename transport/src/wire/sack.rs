@@ -5,7 +5,10 @@
 //! Layout (big-endian; the first 20 bytes are the common header of [`super::header`]):
 //! ```text
 //!  0..20   common header, type 3; flags: bit 0 CONGESTED, bit 1 ECHO (echo fields are valid),
-//!          bit 2 SPURIOUS (the triggering packet was a retransmission of a packet that had arrived)
+//!          bit 2 SPURIOUS (the triggering packet was a retransmission of a packet that had arrived),
+//!          bit 3 ECHO_PSN (echo_ts_us holds the low 32 bits of the triggering packet's PSN, not a
+//!          timestamp: a verbs WRITE whose header the receiver rebuilt; the sender looks the send
+//!          time up itself)
 //! 20..28   cum_psn        every PSN below this has arrived (the next PSN the receiver expects)
 //! 28..36   base_psn       PSN of bitmap bit 0; base_psn >= cum_psn
 //! 36..68   bitmap         four u64 words; bit k (least significant = 0) of word j is set when
@@ -30,6 +33,11 @@ pub const FLAG_CONGESTED: u16 = 1 << 0;
 pub const FLAG_ECHO: u16 = 1 << 1;
 /// Flag: the triggering packet was a retransmission of a packet that had already arrived.
 pub const FLAG_SPURIOUS: u16 = 1 << 2;
+/// Flag: the echo carries the triggering packet's PSN (low 32 bits) instead of its send timestamp.
+pub const FLAG_ECHO_PSN: u16 = 1 << 3;
+/// In [`SackRepr::echo`]'s entropy: set when the echo carries a PSN ([`FLAG_ECHO_PSN`] on the wire;
+/// entropies are below 2^15).
+pub const ECHO_BY_PSN: u16 = 1 << 15;
 
 const CUM: usize = HEADER_LEN;
 const BASE: usize = 28;
@@ -130,7 +138,10 @@ impl SackRepr {
             cum_psn: p.cum_psn(),
             base_psn: p.base_psn(),
             bitmap: [p.bitmap_word(0), p.bitmap_word(1), p.bitmap_word(2), p.bitmap_word(3)],
-            echo: (flags & FLAG_ECHO != 0).then(|| (p.echo_entropy(), p.echo_ts_us())),
+            echo: (flags & FLAG_ECHO != 0).then(|| {
+                let by_psn = if flags & FLAG_ECHO_PSN != 0 { ECHO_BY_PSN } else { 0 };
+                ((p.echo_entropy() & !ECHO_BY_PSN) | by_psn, p.echo_ts_us())
+            }),
             congested: flags & FLAG_CONGESTED != 0,
             spurious: flags & FLAG_SPURIOUS != 0,
         };
@@ -157,7 +168,8 @@ impl SackRepr {
     pub fn emit<T: AsRef<[u8]> + AsMut<[u8]>>(&self, p: &mut SackPacket<T>) {
         let flags = (if self.congested { FLAG_CONGESTED } else { 0 })
             | (if self.echo.is_some() { FLAG_ECHO } else { 0 })
-            | (if self.spurious { FLAG_SPURIOUS } else { 0 });
+            | (if self.spurious { FLAG_SPURIOUS } else { 0 })
+            | (if self.echo.is_some_and(|(e, _)| e & ECHO_BY_PSN != 0) { FLAG_ECHO_PSN } else { 0 });
         p.header_mut().emit(PacketType::Sack, flags, self.token, self.cts_ack);
         let b = p.buffer.as_mut();
         put_u64(b, CUM, self.cum_psn);
@@ -166,7 +178,7 @@ impl SackRepr {
             put_u64(b, BITMAP + 8 * j, *w);
         }
         let (entropy, ts) = self.echo.unwrap_or((0, 0));
-        put_u16(b, ECHO_ENTROPY, entropy);
+        put_u16(b, ECHO_ENTROPY, entropy & !ECHO_BY_PSN);
         put_u16(b, RESERVED, 0);
         put_u32(b, ECHO_TS, ts);
     }
@@ -201,6 +213,18 @@ mod tests {
         assert_eq!(SackRepr::parse(&SackPacket::new_checked(&buf[..]).unwrap()).unwrap(), sample());
         let quiet = SackRepr { echo: None, congested: false, spurious: false, ..sample() };
         assert_eq!(SackRepr::parse(&SackPacket::new_checked(&emit(&quiet)[..]).unwrap()).unwrap(), quiet);
+    }
+
+    #[test]
+    fn an_echo_by_psn_travels_as_its_flag_with_the_plain_entropy() {
+        let r = SackRepr { echo: Some((11 | ECHO_BY_PSN, 0x1234)), ..sample() };
+        let buf = emit(&r);
+        let p = SackPacket::new_checked(&buf[..]).unwrap();
+        assert_ne!(p.header().flags() & FLAG_ECHO_PSN, 0);
+        assert_eq!(p.echo_entropy(), 11);
+        assert_eq!(SackRepr::parse(&p).unwrap(), r);
+        let p = SackPacket::new_checked(&emit(&sample())[..]).unwrap().header().flags();
+        assert_eq!(p & FLAG_ECHO_PSN, 0, "a timestamp echo does not carry the flag");
     }
 
     #[test]

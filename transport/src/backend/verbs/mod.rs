@@ -9,18 +9,17 @@
 //! small send slots and one of receive slots.
 //!
 //! Data: an RDMA WRITE WITH IMM of the payload from the registered send buffer straight into the
-//! receiver's registered buffer (imm = low 32 bits of the PSN, big-endian on the wire, note G3), then a
-//! SEND of the 64-byte DATA header on the same QP (a QP keeps order). Every other packet is a SEND. The
-//! receiver pairs each header with the WRITE that came just before it on that QP ([`match_header`]);
-//! a header without its WRITE, or a WRITE without its header (UC lost one of them), is dropped and
-//! counted, and proto's loss recovery resends the packet.
+//! receiver's registered buffer, without a header: the immediate carries the PSN's low 31 bits and
+//! a retransmission bit ([`imm_of`], big-endian on the wire, note G3), the receive completion the
+//! byte count, and a descriptor SEND (`wire::verbs_desc`) sent before an item's first WRITE (and
+//! before each retransmitted one) the rest; the receiving comm rebuilds the DATA header
+//! (`engine::vcomm`). Every other packet is a SEND.
 //!
 //! Every receive WQE carries one slot of the receive ring; a WRITE WITH IMM consumes a WQE without
 //! writing into it (note G4), so WRITEs and SENDs can share one FIFO receive queue.
 #![allow(unsafe_code)]
 
 pub use crate::wire::RailPeer;
-use crate::wire::{DataPacket, Header, PacketType, DATA_HEADER_LEN};
 pub use device::{probe, MrKeys, VerbsDevice};
 pub use mr::MrCache;
 pub use qp::{PostFail, QpSet, QpStats, RxEvent};
@@ -91,36 +90,24 @@ pub fn flow_label(base: u32, i: u16) -> u32 {
     base + u32::from(i)
 }
 
-/// The immediate value of a DATA packet's WRITE: the PSN's low 32 bits (host order; posted as
-/// big-endian).
-pub fn imm_of(psn: u64) -> u32 {
-    psn as u32
+/// Bit 31 of the immediate: the WRITE is a retransmission.
+pub const IMM_RETX: u32 = 1 << 31;
+
+/// The immediate value of a DATA packet's WRITE: the PSN's low 31 bits, bit 31 set on a
+/// retransmission (host order; posted as big-endian).
+pub fn imm_of(psn: u64, retx: bool) -> u32 {
+    (psn as u32 & !IMM_RETX) | if retx { IMM_RETX } else { 0 }
 }
 
-/// A WRITE WITH IMM that arrived on a QP and waits for its DATA header.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct PendingWrite {
-    /// The immediate: low 32 bits of the PSN.
-    pub psn_low: u32,
-    /// Bytes the WRITE placed.
-    pub len: u32,
-}
-
-/// Does a DATA header (`psn`, payload `len`) belong to the WRITE pending on its QP?
-pub fn match_header(pending: Option<PendingWrite>, psn: u64, len: u32) -> bool {
-    pending.is_some_and(|p| p.psn_low == imm_of(psn) && p.len == len)
-}
-
-/// `(psn, len)` of a bare DATA header with payload (the only packets whose payload comes by WRITE);
-/// `None` for anything else (TRUNC and zero-length DATA travel as ordinary packets).
-fn classify_header(bytes: &[u8]) -> Option<(u64, u32)> {
-    let h = Header::new_checked(bytes).ok()?;
-    if h.packet_type().ok()? != PacketType::Data || bytes.len() != DATA_HEADER_LEN {
-        return None;
-    }
-    let p = DataPacket::new_checked_header(bytes).ok()?;
-    let trunc = h.flags() & crate::wire::data::FLAG_TRUNC != 0;
-    (!trunc).then(|| (p.psn(), p.len()))
+/// The PSN an immediate names, given a PSN `near` it (within 2^30): the value whose low 31 bits
+/// are the immediate's, nearest to `near`; and the retransmission bit.
+pub fn psn_of_imm(imm: u32, near: u64) -> (u64, bool) {
+    let low = u64::from(imm & !IMM_RETX);
+    let span = 1u64 << 31;
+    let base = near & !(span - 1);
+    let cands = [base.checked_sub(span), Some(base), base.checked_add(span)];
+    let psn = cands.into_iter().flatten().map(|b| b | low).min_by_key(|&p| p.abs_diff(near)).unwrap_or(low);
+    (psn, imm & IMM_RETX != 0)
 }
 
 #[cfg(test)]
@@ -152,53 +139,17 @@ mod tests {
     }
 
     #[test]
-    fn imm_is_the_low_half_of_the_psn() {
-        assert_eq!(imm_of(0x1_0000_0005), 5);
-        assert_eq!(imm_of(0xffff_ffff), 0xffff_ffff);
-        assert_eq!(imm_of(7).to_be(), u32::from_be_bytes([0, 0, 0, 7]).to_be());
-        // What the receiver reads back (u32::from_be of the wire value) is the original.
-        assert_eq!(u32::from_be(imm_of(0xabc).to_be()), 0xabc);
-    }
-
-    #[test]
-    fn a_header_matches_only_its_own_write() {
-        let p = Some(PendingWrite { psn_low: 9, len: 4096 });
-        assert!(match_header(p, 9, 4096));
-        assert!(match_header(p, 9 + (1 << 32), 4096));
-        assert!(!match_header(p, 10, 4096));
-        assert!(!match_header(p, 9, 4095));
-        assert!(!match_header(None, 9, 4096));
-    }
-
-    #[test]
-    fn only_bare_data_headers_with_payload_wait_for_a_write() {
-        use crate::wire::{ControlKind, ControlPacket, ControlRepr, DataRepr};
-        let d = DataRepr {
-            token: 1,
-            cts_ack: 0,
-            psn: 77,
-            cts_seq: 0,
-            sub: 0,
-            offset: 0,
-            len: 100,
-            total_len: 100,
-            entropy: 0,
-            ts_us: 0,
-            trunc: false,
-            ce: false,
-            retx: false,
-        };
-        let mut buf = vec![0u8; d.buffer_len()];
-        d.emit(&mut DataPacket::new_unchecked(&mut buf[..]));
-        assert_eq!(classify_header(&buf[..DATA_HEADER_LEN]), Some((77, 100)));
-        assert_eq!(classify_header(&buf), None, "a whole datagram is not a bare header");
-        let t = DataRepr { trunc: true, len: 0, total_len: 5000, ..d };
-        let mut tb = vec![0u8; t.buffer_len()];
-        t.emit(&mut DataPacket::new_unchecked(&mut tb[..]));
-        assert_eq!(classify_header(&tb), None);
-        let mut c = vec![0u8; crate::wire::CONTROL_LEN];
-        ControlRepr { token: 1, cts_ack: 0, kind: ControlKind::Ping, entropy: 0, ts_us: 0, cum_psn: 0 }
-            .emit(&mut ControlPacket::new_unchecked(&mut c[..]));
-        assert_eq!(classify_header(&c), None);
+    fn imm_carries_the_low_31_bits_and_the_retransmission_bit() {
+        assert_eq!(imm_of(0x1_0000_0005, false), 5);
+        assert_eq!(imm_of(0x8000_0005, true), 5 | IMM_RETX);
+        assert_eq!(u32::from_be(imm_of(0xabc, false).to_be()), 0xabc);
+        for near in [0u64, 5, 1 << 30, (1 << 31) - 3, 1 << 31, 3 << 31, 0x1234_5678_9abc, u64::MAX / 2] {
+            for d in [-(1i64 << 29), -7, -1, 0, 1, 9, 1 << 29] {
+                let Some(psn) = near.checked_add_signed(d) else { continue };
+                for retx in [false, true] {
+                    assert_eq!(psn_of_imm(imm_of(psn, retx), near), (psn, retx), "psn {psn:#x} near {near:#x}");
+                }
+            }
+        }
     }
 }

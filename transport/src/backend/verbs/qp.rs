@@ -1,6 +1,7 @@
 //! The QPs of one connection on one rail ([`QpSet`]): creation, connection, posting WRITEs and
-//! SENDs, reaping completions, pairing each DATA header with its WRITE, and reset for re-creation.
+//! SENDs, reaping completions, and reset for re-creation.
 
+use std::collections::VecDeque;
 use std::sync::Arc;
 
 use sideway::ibverbs::address::{AddressHandleAttribute, Gid};
@@ -16,10 +17,7 @@ use crate::wire::RailPeer;
 
 use super::device::VerbsDevice;
 use super::ring::Ring;
-use super::{
-    classify_header, flow_label, imm_of, match_header, udp_sport, PendingWrite, VerbsError, RC_RETRY, RC_TIMEOUT, RECV_DEPTH, SEND_SLOTS,
-    SLOT_BYTES,
-};
+use super::{flow_label, imm_of, udp_sport, VerbsError, RC_RETRY, RC_TIMEOUT, RECV_DEPTH, SEND_SLOTS, SLOT_BYTES};
 
 /// Counters of one QP (serialized into `PRISM_STATS`).
 #[derive(Debug, Clone, Default, serde::Serialize)]
@@ -40,14 +38,24 @@ pub struct QpStats {
     pub sq_full: u64,
     /// Packets not posted: the QP is dead.
     pub dead_drops: u64,
-    /// DATA headers delivered with their payload in place.
+    /// Send work requests posted (a DATA packet is two: its WRITE and its header SEND).
+    pub wqes: u64,
+    /// Send doorbells: calls that post a chain of send work requests.
+    pub doorbells: u64,
+    /// Send work requests posted signalled (each gives one send completion).
+    pub signalled: u64,
+    /// Send completions reaped.
+    pub send_cqes: u64,
+    /// Receive completions reaped (WRITE WITH IMM and SEND alike).
+    pub recv_cqes: u64,
+    /// Payload bytes placed by received WRITEs (the completions' byte_len).
+    pub recv_write_bytes: u64,
+    /// Receive doorbells: calls that post a chain of receive work requests.
+    pub recv_doorbells: u64,
+    /// WRITE WITH IMM received (payload in place, header to be rebuilt).
     pub placed: u64,
-    /// Other packets received.
+    /// Packets received by SEND.
     pub received: u64,
-    /// WRITEs whose header never came (the next completion was not their header).
-    pub orphan_writes: u64,
-    /// DATA headers without their WRITE.
-    pub orphan_headers: u64,
     /// Error completions.
     pub errors: u64,
     /// The QP went to the error state or reported an error completion (and is not re-created yet).
@@ -66,18 +74,50 @@ struct Qp {
     wrs_in_flight: usize,
     slots_in_flight: usize,
     next_slot: usize,
-    pending: Option<PendingWrite>,
-    /// PSNs of the WRITEs posted and not yet completed locally, in posting order (a send queue
-    /// completes in order).
-    write_psns: std::collections::VecDeque<u64>,
+    /// Work requests accepted since the last [`QpSet::flush`], posted by it as one chain.
+    queued: Vec<Wr>,
+    /// Work requests posted and not known complete, in posting order (a send queue completes in
+    /// order, so a completion of sequence number `s` completes every older one too).
+    outstanding: VecDeque<Out>,
+    /// Sequence number of the next posted send work request (carried in its wr_id).
+    next_seq: u32,
+    /// Work requests posted unsignalled since the last signalled one.
+    unsignalled: usize,
     stats: QpStats,
+}
+
+/// A send work request waiting for [`QpSet::flush`].
+#[derive(Clone, Copy)]
+enum Wr {
+    /// SEND of `len` bytes of send-ring slot `slot`.
+    Send { slot: usize, len: u32 },
+    /// WRITE WITH IMM of `len` bytes from `local` (`lkey`) to `remote` (`rkey`), for PSN `psn`
+    /// (`retx`: a retransmission).
+    Write { local: u64, lkey: u32, len: u32, remote: u64, rkey: u32, psn: u64, retx: bool },
+}
+
+/// A posted send work request not yet known complete.
+#[derive(Clone, Copy)]
+struct Out {
+    seq: u32,
+    /// It holds a send-ring slot.
+    slot: bool,
+    /// It is the WRITE of this PSN.
+    write_psn: Option<u64>,
 }
 
 /// What a receive completion brought.
 pub enum RxEvent<'a> {
-    /// A DATA header whose payload its WRITE already placed.
-    Placed(&'a [u8]),
-    /// Any other packet (CTS, SACK, control, payload-less DATA).
+    /// A WRITE WITH IMM placed `len` bytes on QP `q`; `imm` is its immediate (host order).
+    Write {
+        /// QP index (entropy on this rail).
+        q: usize,
+        /// The immediate.
+        imm: u32,
+        /// Bytes placed.
+        len: u32,
+    },
+    /// A packet that came by SEND (descriptors, CTS, SACK, control, payload-less DATA).
     Packet(&'a [u8]),
 }
 
@@ -92,16 +132,31 @@ pub enum PostFail {
     TooBig,
 }
 
-const KIND_WRITE: u64 = 0;
-const KIND_SLOT: u64 = 1;
+/// A send work request is signalled at least once every this many (and the last of every chain),
+/// so completions free slots in time and no posted work request goes unaccounted for long.
+pub const SIGNAL_EVERY: usize = 16;
 
-fn wr_id(q: usize, gen: u16, kind: u64, slot: usize) -> u64 {
-    (u64::from(gen) << 48) | (((q as u64) & 0xffff) << 32) | (kind << 24) | slot as u64
+/// The wr_id of a receive (its ring slot) or of a send work request (its sequence number), both
+/// with the QP's index and generation.
+fn wr_id(q: usize, gen: u16, low: u32) -> u64 {
+    (u64::from(gen) << 48) | (((q as u64) & 0xffff) << 32) | u64::from(low)
 }
 
-/// (QP index, generation, kind, slot).
-fn wr_parts(id: u64) -> (usize, u16, u64, usize) {
-    (((id >> 32) & 0xffff) as usize, (id >> 48) as u16, (id >> 24) & 0xff, (id & 0xff_ffff) as usize)
+/// (QP index, generation, slot or sequence number).
+fn wr_parts(id: u64) -> (usize, u16, u32) {
+    (((id >> 32) & 0xffff) as usize, (id >> 48) as u16, id as u32)
+}
+
+/// How many entries of `outstanding` (oldest first, consecutive sequence numbers) a completion of
+/// sequence number `seq` completes; 0 when `seq` is not among them.
+fn completes(outstanding: &VecDeque<Out>, seq: u32) -> usize {
+    let Some(front) = outstanding.front() else { return 0 };
+    let i = seq.wrapping_sub(front.seq) as usize;
+    if i < outstanding.len() {
+        i + 1
+    } else {
+        0
+    }
 }
 
 /// One connection's QPs on one rail.
@@ -158,16 +213,16 @@ impl QpSet {
                 wrs_in_flight: 0,
                 slots_in_flight: 0,
                 next_slot: 0,
-                pending: None,
-                write_psns: std::collections::VecDeque::new(),
+                queued: Vec::new(),
+                outstanding: VecDeque::new(),
+                next_seq: 0,
+                unsignalled: 0,
                 stats,
             });
         }
         let mut set = Self { qps, send_cq, recv_cq, send_ring, recv_ring, dev: dev.clone(), rc, connected: false, peer_gid: [0; 16] };
         for q in 0..n {
-            for s in 0..RECV_DEPTH {
-                set.post_recv(q, q * RECV_DEPTH + s)?;
-            }
+            set.post_recvs(q, q * RECV_DEPTH..(q + 1) * RECV_DEPTH)?;
         }
         Ok(set)
     }
@@ -245,8 +300,12 @@ impl QpSet {
         qp.gen = qp.gen.wrapping_add(1);
         qp.wrs_in_flight = 0;
         qp.slots_in_flight = 0;
-        qp.pending = None;
-        let drained: Vec<u64> = qp.write_psns.drain(..).collect();
+        qp.unsignalled = 0;
+        let mut drained: Vec<u64> = qp.outstanding.drain(..).filter_map(|o| o.write_psn).collect();
+        drained.extend(qp.queued.drain(..).filter_map(|w| match w {
+            Wr::Write { psn, .. } => Some(psn),
+            Wr::Send { .. } => None,
+        }));
         let mut a = QueuePairAttribute::new();
         a.setup_state(QueuePairState::Init)
             .setup_pkey_index(0)
@@ -255,9 +314,7 @@ impl QpSet {
         vtry!(qp.qp.modify(&a), format!("QP {:#x} RESET->INIT", qp.stats.qpn))?;
         qp.psn = rand::random::<u32>() & 0xFF_FFFF;
         let (qpn, psn) = (qp.qp.qp_number(), qp.psn);
-        for s in 0..RECV_DEPTH {
-            self.post_recv(q, q * RECV_DEPTH + s)?;
-        }
+        self.post_recvs(q, q * RECV_DEPTH..(q + 1) * RECV_DEPTH)?;
         Ok((qpn, psn, drained))
     }
 
@@ -273,16 +330,25 @@ impl QpSet {
         Ok(())
     }
 
-    fn post_recv(&mut self, q: usize, slot: usize) -> Result<(), VerbsError> {
-        let addr = self.recv_ring.addr(slot);
+    /// Post receives of ring slots `slots` on QP `q`, as one chain (one doorbell).
+    fn post_recvs(&mut self, q: usize, slots: impl IntoIterator<Item = usize>) -> Result<(), VerbsError> {
         let lkey = self.recv_ring.mr.lkey();
         let gen = self.qps[q].gen;
-        let qp = &mut self.qps[q].qp;
-        let mut g = qp.start_post_recv();
-        let h = g.construct_wr(wr_id(q, gen, KIND_SLOT, slot));
-        // SAFETY: the slot lies inside the registered receive ring, which outlives the QP; each slot
-        // is posted at most once at a time (reposted only after its completion was consumed).
-        unsafe { h.setup_sge(lkey, addr, SLOT_BYTES as u32) };
+        let ring = &self.recv_ring;
+        let qp = &mut self.qps[q];
+        let mut g = qp.qp.start_post_recv();
+        let mut n = 0;
+        for slot in slots {
+            let h = g.construct_wr(wr_id(q, gen, slot as u32));
+            // SAFETY: the slot lies inside the registered receive ring, which outlives the QP; each
+            // slot is posted at most once at a time (reposted only after its completion was consumed).
+            unsafe { h.setup_sge(lkey, ring.addr(slot), SLOT_BYTES as u32) };
+            n += 1;
+        }
+        if n == 0 {
+            return Ok(());
+        }
+        qp.stats.recv_doorbells += 1;
         vtry!(g.post(), "post receive")
     }
 
@@ -312,34 +378,24 @@ impl QpSet {
         slot
     }
 
-    /// Post a SEND of `bytes` (a whole control packet, or a payload-less DATA header) on QP `q`.
+    /// Queue a SEND of `bytes` (a whole control packet, or a payload-less DATA header) on QP `q`;
+    /// [`Self::flush`] posts it.
     pub fn post_send(&mut self, q: usize, bytes: &[u8]) -> Result<(), PostFail> {
         if bytes.len() > SLOT_BYTES {
             return Err(PostFail::TooBig);
         }
         self.check_postable(q, 1, true)?;
         let slot = self.take_slot(q, bytes);
-        let addr = self.send_ring.addr(slot);
-        let lkey = self.send_ring.mr.lkey();
         let qp = &mut self.qps[q];
-        let mut g = qp.qp.start_post_send();
-        let h = g.construct_wr(wr_id(q, qp.gen, KIND_SLOT, slot), WorkRequestFlags::Signaled).setup_send();
-        // SAFETY: the slot is inside the registered send ring, which outlives the QP; it is not
-        // reused before this WR's completion (slots_in_flight < SEND_SLOTS, completions are FIFO).
-        unsafe { h.setup_sge(lkey, addr, bytes.len() as u32) };
-        if let Err(e) = g.post() {
-            tracing::warn!(qpn = qp.stats.qpn, "post send failed: {e}");
-            qp.stats.errors += 1;
-            return Err(PostFail::Dead);
-        }
+        qp.queued.push(Wr::Send { slot, len: bytes.len() as u32 });
         qp.wrs_in_flight += 1;
         qp.slots_in_flight += 1;
-        qp.stats.sends += 1;
         Ok(())
     }
 
-    /// Post a DATA packet on QP `q`: WRITE WITH IMM of `len` bytes from `local` (registered, `lkey`)
-    /// to `remote` (`rkey`), then a SEND of its 64-byte `header`. The caller checked the ranges.
+    /// Queue a DATA packet on QP `q`: a SEND of its descriptor `desc` when given, then a WRITE WITH
+    /// IMM of `len` bytes from `local` (registered, `lkey`) to `remote` (`rkey`) whose immediate
+    /// names `psn` and `retx`; [`Self::flush`] posts them. The caller checked the ranges.
     #[allow(clippy::too_many_arguments)]
     pub fn post_data(
         &mut self,
@@ -350,59 +406,123 @@ impl QpSet {
         remote: u64,
         rkey: u32,
         psn: u64,
-        header: &[u8],
+        retx: bool,
+        desc: Option<&[u8]>,
     ) -> Result<(), PostFail> {
-        if header.len() > SLOT_BYTES {
+        if desc.is_some_and(|d| d.len() > SLOT_BYTES) {
             return Err(PostFail::TooBig);
         }
-        self.check_postable(q, 2, true)?;
-        let slot = self.take_slot(q, header);
-        let haddr = self.send_ring.addr(slot);
-        let ring_lkey = self.send_ring.mr.lkey();
-        let qp = &mut self.qps[q];
-        let mut g = qp.qp.start_post_send();
-        let w =
-            g.construct_wr(wr_id(q, qp.gen, KIND_WRITE, 0), WorkRequestFlags::Signaled).setup_write_imm(rkey, remote, imm_of(psn).to_be());
-        // SAFETY: `local..local + len` lies in memory registered with `lkey` that the caller keeps
-        // registered and unchanged until the send completes (the engine holds the registration for
-        // the message's lifetime).
-        unsafe { w.setup_sge(lkey, local, len) };
-        let h = g.construct_wr(wr_id(q, qp.gen, KIND_SLOT, slot), WorkRequestFlags::Signaled).setup_send();
-        // SAFETY: as in post_send.
-        unsafe { h.setup_sge(ring_lkey, haddr, header.len() as u32) };
-        if let Err(e) = g.post() {
-            tracing::warn!(qpn = qp.stats.qpn, "post write failed: {e}");
-            qp.stats.errors += 1;
-            return Err(PostFail::Dead);
+        self.check_postable(q, 1 + usize::from(desc.is_some()), desc.is_some())?;
+        if let Some(d) = desc {
+            let slot = self.take_slot(q, d);
+            let qp = &mut self.qps[q];
+            qp.queued.push(Wr::Send { slot, len: d.len() as u32 });
+            qp.wrs_in_flight += 1;
+            qp.slots_in_flight += 1;
         }
-        qp.wrs_in_flight += 2;
-        qp.slots_in_flight += 1;
-        qp.write_psns.push_back(psn);
-        qp.stats.writes += 1;
-        qp.stats.write_bytes += u64::from(len);
-        qp.stats.sends += 1;
+        let qp = &mut self.qps[q];
+        qp.queued.push(Wr::Write { local, lkey, len, remote, rkey, psn, retx });
+        qp.wrs_in_flight += 1;
         Ok(())
     }
 
-    /// Reap send completions (frees slots; an error completion kills its QP); `write_done` gets the
-    /// PSN of every WRITE that completed (successfully or not: either way the NIC is done with it).
+    /// Post every queued work request, one chain (one doorbell) per QP; a work request is
+    /// signalled when it is a chain's last or [`SIGNAL_EVERY`] went unsignalled before it. A QP
+    /// whose post fails is dead; the PSNs of the WRITEs that were not posted go to `write_done`
+    /// (proto resends their packets).
+    pub fn flush(&mut self, mut write_done: impl FnMut(u64)) {
+        let ring_lkey = self.send_ring.mr.lkey();
+        for (q, qp) in self.qps.iter_mut().enumerate() {
+            if qp.queued.is_empty() {
+                continue;
+            }
+            let n = qp.queued.len();
+            let first = qp.outstanding.len();
+            let mut g = qp.qp.start_post_send();
+            for (i, wr) in qp.queued.iter().enumerate() {
+                let seq = qp.next_seq;
+                qp.next_seq = qp.next_seq.wrapping_add(1);
+                qp.unsignalled += 1;
+                let signal = i + 1 == n || qp.unsignalled >= SIGNAL_EVERY;
+                let flags = if signal {
+                    qp.unsignalled = 0;
+                    qp.stats.signalled += 1;
+                    WorkRequestFlags::Signaled
+                } else {
+                    WorkRequestFlags::none()
+                };
+                let id = wr_id(q, qp.gen, seq);
+                match *wr {
+                    Wr::Send { slot, len } => {
+                        let h = g.construct_wr(id, flags).setup_send();
+                        // SAFETY: the slot is inside the registered send ring, which outlives the
+                        // QP; it is not reused before this WR completed (slots_in_flight <
+                        // SEND_SLOTS, completions are FIFO).
+                        unsafe { h.setup_sge(ring_lkey, self.send_ring.addr(slot), len) };
+                        qp.outstanding.push_back(Out { seq, slot: true, write_psn: None });
+                    }
+                    Wr::Write { local, lkey, len, remote, rkey, psn, retx } => {
+                        let w = g.construct_wr(id, flags).setup_write_imm(rkey, remote, imm_of(psn, retx).to_be());
+                        // SAFETY: `local..local + len` lies in memory registered with `lkey` that the
+                        // caller keeps registered and unchanged until the WRITE completes (the engine
+                        // holds the registration until `write_done` reported this PSN).
+                        unsafe { w.setup_sge(lkey, local, len) };
+                        qp.outstanding.push_back(Out { seq, slot: false, write_psn: Some(psn) });
+                        qp.stats.writes += 1;
+                        qp.stats.write_bytes += u64::from(len);
+                    }
+                }
+            }
+            if let Err(e) = g.post() {
+                tracing::warn!(qpn = qp.stats.qpn, "post send failed: {e}; QP marked dead");
+                qp.stats.errors += 1;
+                qp.stats.dead = true;
+                for o in qp.outstanding.drain(first..) {
+                    qp.wrs_in_flight = qp.wrs_in_flight.saturating_sub(1);
+                    if o.slot {
+                        qp.slots_in_flight = qp.slots_in_flight.saturating_sub(1);
+                    }
+                    if let Some(psn) = o.write_psn {
+                        write_done(psn);
+                    }
+                }
+                qp.queued.clear();
+                continue;
+            }
+            for w in qp.queued.drain(..) {
+                if matches!(w, Wr::Send { .. }) {
+                    qp.stats.sends += 1;
+                }
+            }
+            qp.stats.wqes += n as u64;
+            qp.stats.doorbells += 1;
+        }
+    }
+
+    /// Reap send completions (a completion completes its work request and every older one of its
+    /// QP: frees slots; an error completion kills its QP); `write_done` gets the PSN of every WRITE
+    /// that completed (successfully or not: either way the NIC is done with it).
     pub fn poll_send(&mut self, mut write_done: impl FnMut(u64)) {
         loop {
             let Ok(poller) = self.send_cq.start_poll() else { return };
             let mut n = 0;
             for wc in poller {
                 n += 1;
-                let (q, gen, kind, _) = wr_parts(wc.wr_id());
+                let (q, gen, seq) = wr_parts(wc.wr_id());
                 let Some(qp) = self.qps.get_mut(q) else { continue };
                 if gen != qp.gen {
                     // Posted before a reset: already accounted for by reset_qp.
                     continue;
                 }
-                qp.wrs_in_flight = qp.wrs_in_flight.saturating_sub(1);
-                if kind == KIND_SLOT {
-                    qp.slots_in_flight = qp.slots_in_flight.saturating_sub(1);
-                } else if let Some(psn) = qp.write_psns.pop_front() {
-                    write_done(psn);
+                qp.stats.send_cqes += 1;
+                for o in qp.outstanding.drain(..completes(&qp.outstanding, seq)) {
+                    qp.wrs_in_flight = qp.wrs_in_flight.saturating_sub(1);
+                    if o.slot {
+                        qp.slots_in_flight = qp.slots_in_flight.saturating_sub(1);
+                    }
+                    if let Some(psn) = o.write_psn {
+                        write_done(psn);
+                    }
                 }
                 if wc.status() != WorkCompletionStatus::Success as u32 {
                     qp.stats.errors += 1;
@@ -418,21 +538,28 @@ impl QpSet {
         }
     }
 
-    /// Reap receive completions and hand each packet to `deliver` (then repost its slot).
+    /// Reap receive completions and hand each packet to `deliver`; the slots are posted again per
+    /// QP in one chain after each batch.
     pub fn poll_recv(&mut self, mut deliver: impl FnMut(RxEvent<'_>)) {
-        loop {
-            let Ok(poller) = self.recv_cq.start_poll() else { return };
-            let wcs: Vec<(u64, u32, u32, u32, u32)> =
-                poller.map(|wc| (wc.wr_id(), wc.status(), wc.opcode(), wc.byte_len(), u32::from_be(wc.imm_data()))).collect();
+        let mut wcs: Vec<(u64, u32, u32, u32, u32)> = Vec::new();
+        let mut repost: Vec<Vec<usize>> = Vec::new();
+        while let Ok(poller) = self.recv_cq.start_poll() {
+            wcs.clear();
+            wcs.extend(poller.map(|wc| (wc.wr_id(), wc.status(), wc.opcode(), wc.byte_len(), u32::from_be(wc.imm_data()))));
             if wcs.is_empty() {
-                return;
+                break;
             }
-            for (id, status, opcode, len, imm) in wcs {
-                let (q, gen, _, slot) = wr_parts(id);
+            if repost.is_empty() {
+                repost.resize_with(self.qps.len(), Vec::new);
+            }
+            for &(id, status, opcode, len, imm) in &wcs {
+                let (q, gen, slot) = wr_parts(id);
+                let slot = slot as usize;
                 if q >= self.qps.len() || slot >= RECV_DEPTH * self.qps.len() || gen != self.qps[q].gen {
                     // A receive posted before a reset (flushed): its slot was posted again then.
                     continue;
                 }
+                self.qps[q].stats.recv_cqes += 1;
                 if status != WorkCompletionStatus::Success as u32 {
                     let qp = &mut self.qps[q];
                     qp.stats.errors += 1;
@@ -444,34 +571,19 @@ impl QpSet {
                 }
                 if opcode == WorkCompletionOperationType::ReceiveWithImmediate as u32 {
                     let qp = &mut self.qps[q];
-                    if qp.pending.is_some() {
-                        qp.stats.orphan_writes += 1;
-                    }
-                    qp.pending = Some(PendingWrite { psn_low: imm, len });
+                    qp.stats.recv_write_bytes += u64::from(len);
+                    qp.stats.placed += 1;
+                    deliver(RxEvent::Write { q, imm, len });
                 } else if opcode == WorkCompletionOperationType::Receive as u32 {
                     let n = (len as usize).min(SLOT_BYTES);
-                    let bytes = &self.recv_ring.slot(slot)[..n];
-                    let qp = &mut self.qps[q];
-                    match classify_header(bytes) {
-                        Some((psn, plen)) if plen > 0 => {
-                            let pending = qp.pending.take();
-                            if match_header(pending, psn, plen) {
-                                qp.stats.placed += 1;
-                                deliver(RxEvent::Placed(bytes));
-                            } else {
-                                if pending.is_some() {
-                                    qp.stats.orphan_writes += 1;
-                                }
-                                qp.stats.orphan_headers += 1;
-                            }
-                        }
-                        _ => {
-                            qp.stats.received += 1;
-                            deliver(RxEvent::Packet(bytes));
-                        }
-                    }
+                    self.qps[q].stats.received += 1;
+                    deliver(RxEvent::Packet(&self.recv_ring.slot(slot)[..n]));
                 }
-                if let Err(e) = self.post_recv(q, slot) {
+                repost[q].push(slot);
+            }
+            // Repost per batch: a receive queue never runs more than one batch short.
+            for (q, slots) in repost.iter_mut().enumerate() {
+                if let Err(e) = self.post_recvs(q, slots.drain(..)) {
                     let qp = &mut self.qps[q];
                     if !qp.stats.dead {
                         tracing::warn!(qpn = qp.stats.qpn, "repost receive failed: {e}; QP marked dead");
@@ -508,10 +620,31 @@ mod tests {
     use super::*;
 
     #[test]
-    fn wr_ids_carry_qp_kind_and_slot() {
-        assert_eq!(wr_parts(wr_id(15, 0, KIND_SLOT, 4095)), (15, 0, KIND_SLOT, 4095));
-        assert_eq!(wr_parts(wr_id(0, 0, KIND_WRITE, 0)), (0, 0, KIND_WRITE, 0));
-        assert_eq!(wr_parts(wr_id(1023, 0xffff, KIND_SLOT, RECV_DEPTH * 1024 - 1)), (1023, 0xffff, KIND_SLOT, RECV_DEPTH * 1024 - 1));
-        assert_eq!(wr_parts(wr_id(7, 3, KIND_WRITE, 0)).1, 3, "the generation survives");
+    fn wr_ids_carry_qp_generation_and_slot_or_sequence() {
+        assert_eq!(wr_parts(wr_id(15, 0, 4095)), (15, 0, 4095));
+        assert_eq!(wr_parts(wr_id(0, 0, 0)), (0, 0, 0));
+        let top = (RECV_DEPTH * 1024 - 1) as u32;
+        assert_eq!(wr_parts(wr_id(1023, 0xffff, top)), (1023, 0xffff, top));
+        assert_eq!(wr_parts(wr_id(7, 3, u32::MAX)), (7, 3, u32::MAX), "a full sequence number and the generation survive");
+    }
+
+    fn outs(first: u32, n: u32) -> VecDeque<Out> {
+        (0..n).map(|i| Out { seq: first.wrapping_add(i), slot: i % 2 == 1, write_psn: None }).collect()
+    }
+
+    #[test]
+    fn a_completion_completes_its_request_and_every_older_one() {
+        let o = outs(10, 16);
+        assert_eq!(completes(&o, 10), 1);
+        assert_eq!(completes(&o, 25), 16, "the last one completes all");
+        assert_eq!(completes(&o, 17), 8);
+        assert_eq!(completes(&o, 26), 0, "not posted yet: nothing");
+        assert_eq!(completes(&o, 9), 0, "already completed: nothing");
+        assert_eq!(completes(&VecDeque::new(), 0), 0);
+        // Across the wrap of the 32-bit sequence number.
+        let w = outs(u32::MAX - 2, 6);
+        assert_eq!(completes(&w, u32::MAX), 3);
+        assert_eq!(completes(&w, 2), 6);
+        assert_eq!(completes(&w, 3), 0);
     }
 }

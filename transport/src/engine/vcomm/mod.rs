@@ -3,23 +3,26 @@
 //!
 //! Sender: proto writes a DATA header (its payload is not copied: the payload source only notes which
 //! bytes proto wanted), the payload goes as an RDMA WRITE WITH IMM from the send buffer to the address
-//! and rkey the receiver's CTS advertised, and the header follows as a SEND on the same QP. Receiver:
-//! proto's CTS is re-emitted with the buffers' registered addresses and per-rail rkeys; a header whose
-//! WRITE arrived goes to `Connection::handle_placed_data`, every other packet to `handle_datagram`.
+//! and rkey the receiver's CTS advertised; no header travels with it: a descriptor SEND per run of
+//! an item's packets (`desc`) and the immediate (the PSN) let the receiver rebuild it. Receiver:
+//! proto's CTS is re-emitted with the buffers' registered addresses and per-rail rkeys; a rebuilt
+//! header goes to `Connection::handle_rebuilt_data`, every other packet to `handle_datagram`.
 
-use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
+use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::sync::Arc;
 
+mod desc;
 mod fence;
 mod recreate;
 
-use self::fence::{parse_fence, Held};
+use self::desc::{DescRx, DescTx};
+use self::fence::{parse_fence, Fences};
 use super::revive::{self, QpCtlRx, Revive};
 use super::TransportError;
 use crate::backend::verbs::{MrKeys, PostFail, QpSet, QpStats, RailPeer, RxEvent, VerbsDevice, SLOT_BYTES};
-use crate::proto::{Connection, MsgId, NoPlacement, PayloadSource};
+use crate::proto::{Connection, MsgId, NoPlacement, PayloadSource, ProtoConfig};
 use crate::wire::{CtsKeys, CtsPacket, CtsRepr, DataPacket, DataRepr, Header, PacketType, CTS_MAX_KEY_RAILS, DATA_HEADER_LEN};
-use crate::wire::{FenceKind, FenceRepr, QP_CTL_LEN};
+use crate::wire::{DescRepr, QP_CTL_LEN};
 
 /// Most packets one transmit call posts (keeps test() short).
 const MAX_TX: usize = 256;
@@ -96,24 +99,9 @@ pub(crate) struct VerbsComm {
     mem: HashMap<MsgId, Vec<BufMem>>,
     txbuf: Vec<u8>,
     ctsbuf: Vec<u8>,
-    /// WRITEs per PSN posted and not completed locally. A retransmission waits until none is left:
-    /// an older copy still queued could otherwise land after the receive completed and its buffer was
-    /// reused (an RDMA WRITE is placed before anybody can check it).
-    writes_out: HashMap<u64, u32>,
-    /// Sender: the buffer (cts_seq, sub) each outstanding PSN writes into, WRITEs left per buffer,
-    /// the buffer of each send, buffers whose FENCE waits for their WRITEs, FENCEs sent.
-    psn_target: HashMap<u64, (u64, u8)>,
-    writes_to: HashMap<(u64, u8), u32>,
-    msg_target: HashMap<MsgId, (u64, u8)>,
-    fence_wait: HashSet<(u64, u8)>,
-    fenced: VecDeque<(u64, u8)>,
-    fence_out: VecDeque<FenceRepr>,
+    /// FENCE bookkeeping (both directions).
+    fences: Fences,
     fence_rr: usize,
-    /// Sends done whose registrations wait for their last WRITE to leave the send queue.
-    release_later: HashMap<(u64, u8), MsgId>,
-    /// Receiver: FENCEs received, and the receives waiting for theirs.
-    fences_got: HashSet<(u64, u8)>,
-    held: Vec<Held>,
     /// Re-creation state per QP, indexed rail * paths + q; our control packets waiting for a live QP.
     revive: Vec<Revive>,
     ctl_out: VecDeque<[u8; QP_CTL_LEN]>,
@@ -121,6 +109,11 @@ pub(crate) struct VerbsComm {
     connector: bool,
     /// Per rail: QPs are being re-created (for one info log per rail event).
     rail_reviving: Vec<bool>,
+    /// Payload of proto's packets (every one but an item's last).
+    max_payload: u32,
+    /// Descriptors: the sender's runs, the receiver's descriptors and waiting WRITEs.
+    desc_tx: DescTx,
+    desc_rx: DescRx,
     pub counters: VerbsCounters,
 }
 
@@ -132,7 +125,7 @@ impl Drop for VerbsComm {
     fn drop(&mut self) {
         let devs: Vec<Arc<VerbsDevice>> = self.rails.iter().map(|s| s.device().clone()).collect();
         self.rails.clear();
-        self.release_later.clear();
+        self.fences.clear_release_later();
         for (_, mems) in self.mem.drain() {
             for m in &mems {
                 for (dev, k) in devs.iter().zip(&m.keys) {
@@ -151,9 +144,10 @@ impl VerbsComm {
         paths: u16,
         rc: bool,
         token: u64,
-        max_payload: usize,
+        proto: &ProtoConfig,
         connector: bool,
     ) -> Result<Self, TransportError> {
+        let max_payload = proto.max_payload;
         let base = crate::backend::verbs::flow_label_base(token, paths);
         let rails = devs
             .iter()
@@ -169,21 +163,15 @@ impl VerbsComm {
             mem: HashMap::new(),
             txbuf: vec![0u8; DATA_HEADER_LEN + max_payload],
             ctsbuf: vec![0u8; SLOT_BYTES],
-            writes_out: HashMap::new(),
-            psn_target: HashMap::new(),
-            writes_to: HashMap::new(),
-            msg_target: HashMap::new(),
-            fence_wait: HashSet::new(),
-            fenced: VecDeque::new(),
-            fence_out: VecDeque::new(),
+            fences: Fences::default(),
             fence_rr: 0,
-            release_later: HashMap::new(),
-            fences_got: HashSet::new(),
-            held: Vec::new(),
             revive: (0..devs.len()).flat_map(|r| (0..paths.max(1)).map(move |q| Revive::new(r as u8, q))).collect(),
             ctl_out: VecDeque::new(),
             connector,
             rail_reviving: vec![false; devs.len()],
+            max_payload: u32::try_from(max_payload).unwrap_or(u32::MAX),
+            desc_tx: DescTx::default(),
+            desc_rx: DescRx::new(proto.window_pkts as usize),
             counters: VerbsCounters::default(),
         })
     }
@@ -254,7 +242,7 @@ impl VerbsComm {
     /// Message `msg` is done: drop its registrations (for a send with WRITEs still queued, once they
     /// have left).
     pub fn release(&mut self, msg: MsgId) {
-        if self.release_later.values().any(|m| *m == msg) {
+        if self.fences.keeps(msg) {
             return;
         }
         self.release_now(msg);
@@ -274,17 +262,26 @@ impl VerbsComm {
         let mut done_psns = Vec::new();
         let mut fences = Vec::new();
         let mut ctls = Vec::new();
+        let mut descs = Vec::new();
+        let mut writes = Vec::new();
         let paths = self.paths as usize;
-        let Self { rails, remote, counters, .. } = self;
+        let Self { rails, remote, counters, desc_rx, .. } = self;
         let nrails = rails.len();
-        for set in rails.iter_mut() {
+        for (r, set) in rails.iter_mut().enumerate() {
             set.poll_send(|psn| done_psns.push(psn));
             set.check_states();
             set.poll_recv(|ev| match ev {
-                RxEvent::Placed(h) => conn.handle_placed_data(h, now),
+                RxEvent::Write { q, imm, len } => writes.push(((r * paths + q) as u16, imm, len)),
                 RxEvent::Packet(b) => {
                     if let Some(f) = parse_fence(b) {
                         fences.push(f);
+                        return;
+                    }
+                    if b.starts_with(crate::wire::verbs_desc::DESC_MAGIC) {
+                        match DescRepr::parse(b) {
+                            Ok(d) => descs.push(d),
+                            Err(_) => desc_rx.counters.descs_bad += 1,
+                        }
                         return;
                     }
                     match revive::classify(b, nrails, paths) {
@@ -312,25 +309,49 @@ impl VerbsComm {
                 }
             });
         }
+        // Descriptors first: a run's WRITEs on other QPs may have overtaken its descriptor.
+        let mut rebuilt = Vec::new();
+        for d in descs {
+            self.desc_rx.on_desc(d, &mut rebuilt);
+        }
+        for (entropy, imm, len) in writes {
+            self.desc_rx.on_write(entropy, imm, len, &mut rebuilt);
+        }
+        for h in &rebuilt {
+            conn.handle_rebuilt_data(h, now);
+        }
         for psn in done_psns {
             self.write_done(psn);
         }
-        for FenceRepr { kind, cts_seq, sub } in fences {
-            if kind == FenceKind::Fence {
-                self.counters.fences_received += 1;
-                self.fences_got.insert((cts_seq, sub));
-            } else if self.fenced.contains(&(cts_seq, sub)) {
-                self.fence_out.push_back(FenceRepr { kind: FenceKind::Fence, cts_seq, sub });
-            }
+        for f in fences {
+            self.fences.on_packet(f, &mut self.counters);
         }
         for c in ctls {
             self.on_ctl(&c, now);
         }
         self.revive_tick(now);
+        self.flush_posts();
+    }
+
+    /// Post what the QPs queued (one doorbell per QP with work); WRITEs that could not be posted
+    /// count as done (the NIC never saw them).
+    fn flush_posts(&mut self) {
+        let mut failed = Vec::new();
+        for set in &mut self.rails {
+            set.flush(|psn| failed.push(psn));
+        }
+        for psn in failed {
+            self.write_done(psn);
+        }
     }
 
     /// Post what proto wants to send.
     pub fn transmit(&mut self, conn: &mut Connection, now: u64) {
+        self.queue_transmit(conn, now);
+        self.flush_posts();
+    }
+
+    fn queue_transmit(&mut self, conn: &mut Connection, now: u64) {
         self.flush_fences();
         let mut rec = Recorder::default();
         for _ in 0..MAX_TX {
@@ -384,7 +405,7 @@ impl VerbsComm {
             self.counters.bad_remote_range += 1;
             return Err(None);
         }
-        if d.retx && self.writes_out.contains_key(&d.psn) {
+        if d.retx && !self.fences.may_write_again(d.psn) {
             self.counters.retx_held += 1;
             return Err(None);
         }
@@ -392,13 +413,20 @@ impl VerbsComm {
         let rkey = keys.rkey[sub][rail.min(CTS_MAX_KEY_RAILS - 1)];
         let laddr = (local.addr as u64) + off;
         let lkey = local.keys[rail].lkey;
-        self.rails[rail].post_data(q, laddr, lkey, n as u32, raddr, rkey, d.psn, &self.txbuf[..DATA_HEADER_LEN]).map_err(Some)?;
-        let t = (d.cts_seq, d.sub);
-        *self.writes_out.entry(d.psn).or_insert(0) += 1;
-        if self.psn_target.insert(d.psn, t).is_none() {
-            *self.writes_to.entry(t).or_insert(0) += 1;
+        let (desc, send_desc) = self.desc_tx.describe(&d, self.max_payload);
+        let desc = desc.to_bytes();
+        let desc = send_desc.then_some(&desc[..]);
+        let posted = self.rails[rail].post_data(q, laddr, lkey, n as u32, raddr, rkey, d.psn, d.retx, desc);
+        if let Err(e) = posted {
+            if send_desc {
+                self.desc_tx.forget(d.cts_seq, d.sub);
+            }
+            return Err(Some(e));
         }
-        self.msg_target.insert(msg, t);
+        if send_desc {
+            self.desc_rx.counters.descs_sent += 1;
+        }
+        self.fences.posted(d.psn, (d.cts_seq, d.sub), msg);
         Ok(())
     }
 
@@ -420,17 +448,70 @@ impl VerbsComm {
         self.rails[rail].post_send(q, &self.ctsbuf[..n]).map_err(Some)
     }
 
-    /// Per-rail, per-QP counters.
+    /// Per-rail, per-QP counters, and their totals over the comm's QPs (work per MiB of data).
     pub fn stats(&self) -> serde_json::Value {
+        let mut all = Vec::new();
         let rails: Vec<serde_json::Value> = self
             .rails
             .iter()
             .map(|s| {
                 let qps: Vec<QpStats> = s.stats();
+                all.extend(qps.iter().cloned());
                 serde_json::json!({ "device": s.device().name, "qps": qps })
             })
             .collect();
-        serde_json::json!({ "counters": self.counters, "rails": rails })
+        serde_json::json!({
+            "counters": self.counters,
+            "descriptors": self.desc_rx.counters,
+            "totals": VerbsTotals::of(&all),
+            "rails": rails,
+        })
+    }
+}
+
+/// Work of one comm's QPs, summed, and per MiB of data (sent: WRITE bytes posted; received: bytes
+/// the received WRITEs placed). Control packets are included in the counts.
+#[derive(Debug, Default, Clone, serde::Serialize)]
+pub(crate) struct VerbsTotals {
+    pub wqes: u64,
+    pub doorbells: u64,
+    pub signalled: u64,
+    pub send_cqes: u64,
+    pub recv_cqes: u64,
+    pub recv_doorbells: u64,
+    pub writes: u64,
+    pub sends: u64,
+    pub write_bytes: u64,
+    pub recv_write_bytes: u64,
+    pub wqes_per_mib: f64,
+    pub doorbells_per_mib: f64,
+    pub send_cqes_per_mib: f64,
+    pub recv_cqes_per_mib: f64,
+    pub recv_doorbells_per_mib: f64,
+}
+
+impl VerbsTotals {
+    fn of(qps: &[QpStats]) -> Self {
+        let mut t = Self::default();
+        for q in qps {
+            t.wqes += q.wqes;
+            t.doorbells += q.doorbells;
+            t.signalled += q.signalled;
+            t.send_cqes += q.send_cqes;
+            t.recv_cqes += q.recv_cqes;
+            t.recv_doorbells += q.recv_doorbells;
+            t.writes += q.writes;
+            t.sends += q.sends;
+            t.write_bytes += q.write_bytes;
+            t.recv_write_bytes += q.recv_write_bytes;
+        }
+        let per = |n: u64, bytes: u64| if bytes == 0 { 0.0 } else { n as f64 * 1_048_576.0 / bytes as f64 };
+        t.wqes_per_mib = per(t.wqes, t.write_bytes);
+        t.doorbells_per_mib = per(t.doorbells, t.write_bytes);
+        t.send_cqes_per_mib = per(t.send_cqes, t.write_bytes);
+        t.recv_cqes_per_mib = per(t.recv_cqes, t.recv_write_bytes);
+        t.recv_doorbells_per_mib = per(t.recv_doorbells, t.recv_write_bytes);
+        t
     }
 }
 
