@@ -161,11 +161,11 @@ impl Sim {
         let aimd: Option<SharedAimd> = (h.scheme.rate == RateMode::PacketAimd)
             .then(|| Arc::new(Mutex::new(PacketAimd::new(h.scheme.aimd_init_pkts.unwrap_or(h.proto.window_pkts), h.proto.window_pkts))));
         let flow_seed = self.seed ^ (idx as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15);
-        let policy = h.runtimes[src as usize].path_policy(FlowInfo { dst_host: dst as usize, rail }, flow_seed);
+        let policy = h.runtimes[src as usize].flow_paths(FlowInfo { dst_host: dst as usize, rail }, flow_seed);
         let send_policy = Box::new(SimPolicy::new(policy, pin, rate.clone(), aimd.clone()));
         // The receiving end only sends control packets; its policy is never asked for data paths.
         let recv_policy = Box::new(SimPolicy::new(
-            h.runtimes[dst as usize].path_policy(FlowInfo { dst_host: src as usize, rail }, flow_seed ^ 1),
+            h.runtimes[dst as usize].flow_paths(FlowInfo { dst_host: src as usize, rail }, flow_seed ^ 1),
             None,
             None,
             None,
