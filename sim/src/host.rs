@@ -4,7 +4,7 @@
 
 use std::sync::{Arc, Mutex};
 
-use prism_lb::{Feedback, PathCtx, PathPolicy, RateController};
+use prism_lb::{Feedback, FlowPaths, PathCtx, PathPolicy, RateController};
 
 /// The per-packet congestion window of the seed-003 baseline (DCQCN-like: it starts at the full window,
 /// i.e. line rate): halve on a congested acknowledgement
@@ -86,9 +86,10 @@ pub type SharedAimd = Arc<Mutex<PacketAimd>>;
 
 /// The policy a simulated connection runs: `prism-lb`'s flow policy, asked with the connection's
 /// pinned uplink (one connection per Ethereal sub-flow), whose feedback is also tapped for the rate
-/// controllers.
+/// controllers. The flow policy is held by value (not boxed): the connection reaches it through one
+/// pointer, not two, on every pick and acknowledgement.
 pub struct SimPolicy {
-    inner: Box<dyn PathPolicy>,
+    inner: FlowPaths,
     pin: Option<u16>,
     rate: Option<SharedRate>,
     aimd: Option<SharedAimd>,
@@ -96,7 +97,7 @@ pub struct SimPolicy {
 
 impl SimPolicy {
     /// Wrap `inner`, pinned to `pin`, tapping feedback into `rate` and `aimd`.
-    pub fn new(inner: Box<dyn PathPolicy>, pin: Option<u16>, rate: Option<SharedRate>, aimd: Option<SharedAimd>) -> Self {
+    pub fn new(inner: FlowPaths, pin: Option<u16>, rate: Option<SharedRate>, aimd: Option<SharedAimd>) -> Self {
         Self { inner, pin, rate, aimd }
     }
 }

@@ -165,11 +165,11 @@ impl Sim {
             RateMode::Lb => None,
         };
         let flow_seed = self.seed ^ (idx as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15);
-        let policy = h.runtimes[src as usize].path_policy(FlowInfo { dst_host: dst as usize, rail }, flow_seed);
+        let policy = h.runtimes[src as usize].flow_paths(FlowInfo { dst_host: dst as usize, rail }, flow_seed);
         let send_policy = Box::new(SimPolicy::new(policy, pin, rate.clone(), aimd.clone()));
         // The receiving end only sends control packets; its policy is never asked for data paths.
         let recv_policy = Box::new(SimPolicy::new(
-            h.runtimes[dst as usize].path_policy(FlowInfo { dst_host: src as usize, rail }, flow_seed ^ 1),
+            h.runtimes[dst as usize].flow_paths(FlowInfo { dst_host: src as usize, rail }, flow_seed ^ 1),
             None,
             None,
             None,

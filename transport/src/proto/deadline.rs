@@ -4,7 +4,10 @@
 //! A path's deadline (`Path::rto_deadline`: its oldest transmission's send time plus its RTO) changes
 //! only when its queue of transmissions or its RTT estimator changes. Every place that changes them
 //! calls [`RtoDeadlines::touch`]; the next query recomputes only the touched paths, and rescans the
-//! cached values (one `u64` per path) only when the path holding the minimum moved later.
+//! cached values (one slot per path, held inline for up to 16 paths) only when the path holding the
+//! minimum moved later.
+
+use smallvec::SmallVec;
 
 use super::path::Path;
 use super::Micros;
@@ -12,29 +15,45 @@ use super::Micros;
 /// No deadline (the path has nothing in flight).
 const NONE: Micros = Micros::MAX;
 
+/// Paths whose cached deadlines are held inside the connection (no pointer to follow): every fat
+/// tree up to k = 8 has at most 16 paths between two leaves.
+const INLINE_PATHS: usize = 16;
+
+/// One path's cached deadline and whether it changed since the last query (read together).
+#[derive(Debug, Clone, Copy)]
+struct Slot {
+    at: Micros,
+    touched: bool,
+}
+
 #[derive(Debug)]
 pub(crate) struct RtoDeadlines {
-    /// Per path: its deadline as of the last query, `NONE` if it had nothing in flight.
-    at: Vec<Micros>,
+    /// Per path: its deadline as of the last query (`NONE` if it had nothing in flight), and whether it
+    /// changed since.
+    slots: SmallVec<[Slot; INLINE_PATHS]>,
     /// Paths changed since the last query, each once.
-    touched: Vec<u16>,
-    is_touched: Vec<bool>,
-    /// The smallest of `at` and a path holding it.
+    touched: SmallVec<[u16; INLINE_PATHS]>,
+    /// The smallest of the deadlines and a path holding it.
     min: Micros,
     argmin: u16,
 }
 
 impl RtoDeadlines {
     pub(crate) fn new(n_paths: u16) -> Self {
-        Self { at: vec![NONE; n_paths as usize], touched: Vec::new(), is_touched: vec![false; n_paths as usize], min: NONE, argmin: 0 }
+        Self {
+            slots: smallvec::smallvec![Slot { at: NONE, touched: false }; n_paths as usize],
+            touched: SmallVec::new(),
+            min: NONE,
+            argmin: 0,
+        }
     }
 
     /// Path `e`'s transmissions or RTT changed.
     #[inline]
     pub(crate) fn touch(&mut self, e: u16) {
-        if let Some(t) = self.is_touched.get_mut(e as usize) {
-            if !*t {
-                *t = true;
+        if let Some(s) = self.slots.get_mut(e as usize) {
+            if !s.touched {
+                s.touched = true;
                 self.touched.push(e);
             }
         }
@@ -42,7 +61,7 @@ impl RtoDeadlines {
 
     /// Every path changed.
     pub(crate) fn touch_all(&mut self) {
-        for e in 0..self.at.len() as u16 {
+        for e in 0..self.slots.len() as u16 {
             self.touch(e);
         }
     }
@@ -51,9 +70,8 @@ impl RtoDeadlines {
     pub(crate) fn earliest(&mut self, paths: &[Path]) -> Option<Micros> {
         let mut rescan = false;
         for e in self.touched.drain(..) {
-            self.is_touched[e as usize] = false;
             let new = paths[e as usize].rto_deadline().unwrap_or(NONE);
-            self.at[e as usize] = new;
+            self.slots[e as usize] = Slot { at: new, touched: false };
             if new <= self.min {
                 self.min = new;
                 self.argmin = e;
@@ -63,9 +81,9 @@ impl RtoDeadlines {
         }
         if rescan {
             self.min = NONE;
-            for (e, &at) in self.at.iter().enumerate() {
-                if at < self.min {
-                    self.min = at;
+            for (e, s) in self.slots.iter().enumerate() {
+                if s.at < self.min {
+                    self.min = s.at;
                     self.argmin = e as u16;
                 }
             }

@@ -1,7 +1,9 @@
 //! The receiving half of a connection: grouped receives and their (reliable) CTS, DATA validation and
 //! placement, the out-of-order window and SACK generation.
 
-use std::collections::{BTreeMap, VecDeque};
+use std::collections::VecDeque;
+
+use smallvec::SmallVec;
 
 use super::connection::Connection;
 use super::window::{Arrival, PsnWindow};
@@ -20,12 +22,17 @@ enum SubEnd {
 /// sends every byte of a message under one PSN only (a retransmission reuses the PSN), so DATA that
 /// overlaps bytes already received is forged or corrupted: counting it would let a message complete
 /// with a hole, and the real packet's PSN would then be refused forever.
+///
+/// Sorted by start, the first few held inline: a message arriving in order is one range, one arriving
+/// over sprayed paths a handful, so a DATA packet does not follow a pointer to a tree node of its own.
 #[derive(Debug, Clone, Default)]
-struct Ranges(BTreeMap<u64, u64>);
+struct Ranges(SmallVec<[(u64, u64); 4]>);
 
 impl Ranges {
     fn overlaps(&self, start: u64, end: u64) -> bool {
-        start < end && self.0.range(..end).next_back().is_some_and(|(_, &e)| e > start)
+        // The last range starting before `end` reaches past `start`.
+        let i = self.0.partition_point(|r| r.0 < end);
+        start < end && i > 0 && self.0[i - 1].1 > start
     }
 
     /// Add a range that `overlaps` said is new.
@@ -34,14 +41,20 @@ impl Ranges {
             return;
         }
         let mut start = start;
-        if let Some((&s, &e)) = self.0.range(..=start).next_back() {
-            if e == start {
-                self.0.remove(&s);
-                start = s;
-            }
+        // A range ending where this one starts absorbs it.
+        let i = self.0.partition_point(|r| r.0 <= start);
+        if i > 0 && self.0[i - 1].1 == start {
+            start = self.0[i - 1].0;
+            self.0.remove(i - 1);
         }
-        let end = self.0.remove(&end).unwrap_or(end);
-        self.0.insert(start, end);
+        // So does one starting where it ends.
+        let j = self.0.partition_point(|r| r.0 < end);
+        let end = if self.0.get(j).is_some_and(|r| r.0 == end) { self.0.remove(j).1 } else { end };
+        let k = self.0.partition_point(|r| r.0 < start);
+        match self.0.get_mut(k) {
+            Some(r) if r.0 == start => r.1 = end,
+            _ => self.0.insert(k, (start, end)),
+        }
     }
 }
 
@@ -145,8 +158,26 @@ impl RxState {
         self.next_cts_seq
     }
 
+    /// The index of the group with CTS sequence number `seq`. Sequence numbers are unique and
+    /// increasing, and groups usually complete in order, so `seq - first seq` is tried before a
+    /// binary search (which reads several groups of a cold deque).
     fn group_index(&self, seq: u64) -> Option<usize> {
+        let guess = seq.wrapping_sub(self.groups.front()?.seq);
+        if self.groups.get(usize::try_from(guess).ok()?).is_some_and(|g| g.seq == seq) {
+            return Some(guess as usize);
+        }
         self.groups.binary_search_by_key(&seq, |g| g.seq).ok()
+    }
+
+    /// The index of the first group whose CTS is not acknowledged (`groups.len()` if none): the
+    /// partition point of `seq < cts_acked`, found without a binary search when every group or none
+    /// is acknowledged (the usual cases).
+    fn first_unacked_group(&self) -> usize {
+        match (self.groups.front(), self.groups.back()) {
+            (Some(f), _) if f.seq >= self.cts_acked => 0,
+            (_, Some(b)) if b.seq < self.cts_acked => self.groups.len(),
+            _ => self.groups.partition_point(|g| g.seq < self.cts_acked),
+        }
     }
 }
 
@@ -180,7 +211,7 @@ impl Connection {
     /// (groups are in CTS order, and acknowledged ones never time out).
     pub(super) fn cts_deadline(&self) -> Option<Micros> {
         let rto = self.cts_timeout();
-        let first = self.rx.groups.partition_point(|g| g.seq < self.rx.cts_acked);
+        let first = self.rx.first_unacked_group();
         self.rx
             .groups
             .range(first..)
@@ -211,7 +242,7 @@ impl Connection {
     pub(super) fn on_cts_timers(&mut self, now: Micros) {
         let rto = self.cts_timeout();
         // Groups are in CTS order and acknowledged ones never expire: start at the first unacknowledged.
-        let first = self.rx.groups.partition_point(|g| g.seq < self.rx.cts_acked);
+        let first = self.rx.first_unacked_group();
         for i in first..self.rx.groups.len() {
             let g = &self.rx.groups[i];
             let expired = g.seq >= self.rx.cts_acked
@@ -453,5 +484,60 @@ impl Connection {
             _ => self.ctl_entropy(),
         };
         Some(Transmit { entropy, len: repr.buffer_len() })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::BTreeMap;
+
+    use super::Ranges;
+
+    /// The ranges as a map from start to end, merged the way a tree of ranges merges them.
+    fn reference_insert(m: &mut BTreeMap<u64, u64>, start: u64, end: u64) {
+        let mut start = start;
+        if let Some((&s, &e)) = m.range(..=start).next_back() {
+            if e == start {
+                m.remove(&s);
+                start = s;
+            }
+        }
+        let end = m.remove(&end).unwrap_or(end);
+        m.insert(start, end);
+    }
+
+    /// Random packet-sized pieces of a buffer, in random order and some twice: every answer of
+    /// `overlaps` and every set of ranges after an insert are those of a `BTreeMap` of ranges.
+    #[test]
+    fn ranges_follow_a_tree_of_ranges() {
+        let mut x: u64 = 0x2545_F491_4F6C_DD1D;
+        let mut rand = |n: u64| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x % n
+        };
+        for round in 0..200 {
+            let pieces = 1 + rand(40);
+            let mut r = Ranges::default();
+            let mut m = BTreeMap::new();
+            for _ in 0..3 * pieces {
+                let (start, end) = if rand(10) == 0 {
+                    // Odd sizes and offsets, overlapping pieces included.
+                    let s = rand(pieces * 4096);
+                    (s, s + rand(9000))
+                } else {
+                    let p = rand(pieces);
+                    (p * 4096, (p + 1) * 4096)
+                };
+                let overlaps = start < end && m.range(..end).next_back().is_some_and(|(_, &e)| e > start);
+                assert_eq!(r.overlaps(start, end), overlaps, "round {round}: {start}..{end} in {m:?}");
+                if !overlaps && start < end {
+                    r.insert(start, end);
+                    reference_insert(&mut m, start, end);
+                }
+                assert_eq!(r.0.iter().copied().collect::<Vec<_>>(), m.iter().map(|(&s, &e)| (s, e)).collect::<Vec<_>>(), "round {round}");
+            }
+        }
     }
 }

@@ -246,7 +246,13 @@ impl TxState {
         ids
     }
 
+    /// The index of send `id`. Ids are unique and increasing, and sends usually complete in order, so
+    /// `id - first id` is tried before a binary search.
     fn send_index(&self, id: MsgId) -> Option<usize> {
+        let guess = id.0.wrapping_sub(self.sends.front()?.id.0);
+        if self.sends.get(usize::try_from(guess).ok()?).is_some_and(|s| s.id == id) {
+            return Some(guess as usize);
+        }
         self.sends.binary_search_by_key(&id, |s| s.id).ok()
     }
 

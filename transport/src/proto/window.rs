@@ -26,12 +26,12 @@ pub(crate) struct PsnWindow {
     /// One past the highest PSN that arrived (at least `cum`).
     end: u64,
     /// Bit `p % 64` of word `(p / 64) % WORDS` is PSN `p`, for `p` in `cum .. cum + OOO_WINDOW_PKTS`.
-    bits: Vec<u64>,
+    bits: [u64; WORDS],
 }
 
 impl PsnWindow {
     pub(crate) fn new() -> Self {
-        Self { cum: 0, end: 0, bits: vec![0; WORDS] }
+        Self { cum: 0, end: 0, bits: [0; WORDS] }
     }
 
     /// Every PSN below this arrived.
