@@ -52,7 +52,8 @@ pub const PLUGIN_VARS: &[&str] = &[STATS_VAR];
 
 /// Variables Prism's own scripts export for themselves (`scripts/lib.sh`, the test beds). They are not
 /// configuration, so the plugin ignores them instead of refusing to start in a shell that ran a script.
-pub const TOOLING_VARS: &[&str] = &["PRISM_ROOT", "PRISM_BIN_DIR", "PRISM_BINS", "PRISM_VM_KERNEL_PKG"];
+pub const TOOLING_VARS: &[&str] =
+    &["PRISM_ROOT", "PRISM_BIN_DIR", "PRISM_BINS", "PRISM_VM_KERNEL_PKG", "PRISM_VM_CACHE", "PRISM_SCENARIOS"];
 
 /// Every configuration variable some part of Prism understands.
 pub fn known_vars() -> BTreeSet<&'static str> {
@@ -146,8 +147,13 @@ mod tests {
 
     #[test]
     fn variables_of_prisms_own_scripts_are_ignored_not_refused() {
-        let cfg = PluginConfig::from_vars(vars(&[("PRISM_ROOT", "/src/prism"), ("PRISM_BIN_DIR", "target/release")]))
-            .expect("script variables are not configuration");
+        let cfg = PluginConfig::from_vars(vars(&[
+            ("PRISM_ROOT", "/src/prism"),
+            ("PRISM_BIN_DIR", "target/release"),
+            ("PRISM_VM_CACHE", "/var/cache/prism-vm"),
+            ("PRISM_SCENARIOS", "perf-verbs"),
+        ]))
+        .expect("script variables are not configuration");
         assert!(cfg.vars.is_empty(), "{:?}", cfg.vars);
     }
 
