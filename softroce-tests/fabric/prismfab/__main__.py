@@ -152,6 +152,7 @@ def write_outputs(out: Path, scn: Scenario, runs: list[dict], all_checks: list[C
           f"Topology: {scn.topology.hosts} hosts x {scn.topology.rails} rails x {scn.topology.spines} spines, host links "
           f"{scn.topology.host_bw_mbit:g} Mbit/s, spine links {scn.topology.spine_bw_mbit:g} Mbit/s, MTU "
           f"{scn.topology.mtu}, queues {scn.topology.queue_pkts} packets, rank rails `{scn.topology.rank_rail}`, "
+          f"leaf routing `{scn.topology.leaf_routing}`, "
           f"{scn.paths} entropies per rail. Wall time {meta.get('wall_s', 0):.0f} s.", ""]
     if runs:
         md += ["## Runs", "", report.markdown_table(runs), ""]
@@ -197,6 +198,8 @@ def cmd_run(a) -> int:
     rc = 1
     try:
         fab.start()
+        if scn.topology.leaf_routing == "sport":
+            fab.sport_routing(scn.topology.sport_spines(scn.paths), out)
         # What the cleanup check looks for afterwards: every namespace this run made.
         ns = {"pid_ns": ns_inode("self", "pid"), "outer_net_ns": ns_inode("self", "net"),
               "node_net_ns": {n.name: ns_inode(n.pid, "net") for n in fab.net.hosts},

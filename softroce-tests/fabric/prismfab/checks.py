@@ -52,6 +52,15 @@ def uplinks_text(r: dict) -> str:
     return " ".join(parts)
 
 
+def spread_text(r: dict) -> str:
+    """Each busy leaf's uplink bytes and their spread, e.g. ``lf0 [6.29, 6.30, 6.29, 6.29] MB = 0.2 %``."""
+    parts = []
+    for leaf, v in sorted((r["balance"].get("leaf_uplink_bytes") or {}).items()):
+        if sum(v) >= metrics.MIN_SPINE_BYTES:
+            parts.append(f"lf{leaf} [" + ", ".join(f"{b / 1e6:.2f}" for b in v) + f"] MB = {fmt_pct(metrics.spread(v))}")
+    return " ".join(parts) or "no leaf sent 1 MiB up"
+
+
 def evaluate(scn: Scenario, runs: list[dict]) -> list[Check]:
     """Every check of the scenario over its runs."""
     checks: list[Check] = []
@@ -97,6 +106,26 @@ def evaluate(scn: Scenario, runs: list[dict]) -> list[Check]:
                                 f"run {uplinks_text(r)} = {fmt_pct(max_uplink_imbalance(r))}"
                                 + (f"; on the same flows {shown}" if shown else ""),
                                 {"moment_imbalance": imb, "run_imbalance": max_uplink_imbalance(r)}))
+
+    sw = c.spread_workload
+    if c.spread_policies and sw and any(w.name == sw for w in scn.workloads):
+        others = "; ".join(f"{q}: {spread_text(x)}" for x in runs
+                           if x["workload"]["name"] == sw and not x.get("fault")
+                           and (q := x["policy"]["name"]) not in c.spread_policies)
+        for p in c.spread_policies:
+            r = find(runs, sw, p)
+            if r is None:
+                checks.append(Check(f"spread.{p}", False, f"no run of {sw} with {p}"))
+                continue
+            busy = {leaf: v for leaf, v in (r["balance"].get("leaf_uplink_bytes") or {}).items()
+                    if sum(v) >= metrics.MIN_SPINE_BYTES}
+            spreads = {leaf: metrics.spread(v) for leaf, v in busy.items()}
+            ok = bool(r["ok"]) and bool(busy) and all(x is not None and x <= c.spread_max for x in spreads.values())
+            checks.append(Check(f"spread.{p}", ok,
+                                f"{sw}: each busy leaf's bytes per uplink within {fmt_pct(c.spread_max)} of each other "
+                                f"(max/min - 1): {spread_text(r)}" + ("" if busy else " (no leaf sent 1 MiB up)")
+                                + (f"; other policies on the same workload: {others}" if others else ""),
+                                {"spread": spreads, "uplink_bytes": busy}))
 
     for fname in c.cct_faults:
         fault = next((f for f in scn.faults if f.name == fname), None)

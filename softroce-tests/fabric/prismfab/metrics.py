@@ -23,6 +23,14 @@ def imbalance(values: list[float]) -> float | None:
     return max(abs(v - mean) for v in values) / mean
 
 
+def spread(values: list[float]) -> float | None:
+    """max / min - 1 (0 = every entry equal; Ethereal's "within 2 %" is <= 0.02). None when there is
+    nothing to compare, or when an entry is 0 (an idle uplink: no finite spread)."""
+    if not values or min(values) <= 0:
+        return None
+    return max(values) / min(values) - 1
+
+
 def rail_bytes(spec: TopologySpec, d: dict) -> list[dict]:
     """Per host and rail: bytes sent and received on that NIC (from the host's own counters)."""
     out = []
@@ -56,14 +64,17 @@ def spine_balance(spec: TopologySpec, links: list[dict]) -> dict:
         per_leaf[l["leaf"]][l["spine"]] += l["up_bytes"]
     total = sum(per_spine)
     leaf_imb = {}
+    leaf_spread = {}
     for r, v in per_leaf.items():
         leaf_imb[r] = imbalance(v) if sum(v) >= MIN_SPINE_BYTES else None
+        leaf_spread[r] = spread(v) if sum(v) >= MIN_SPINE_BYTES else None
     return {
         "spine_bytes": per_spine,
         "spine_share": [round(b / total, 4) if total else 0.0 for b in per_spine],
         "spine_imbalance": imbalance(per_spine) if total >= MIN_SPINE_BYTES else None,
         "leaf_uplink_bytes": {str(r): v for r, v in per_leaf.items()},
         "leaf_uplink_imbalance": {str(r): v for r, v in leaf_imb.items()},
+        "leaf_uplink_spread": {str(r): v for r, v in leaf_spread.items()},
     }
 
 

@@ -22,7 +22,7 @@ from . import metrics
 from .counters import BacklogPoller, Sampler, delta, parse_tc_json, read_udp
 from .faults import Injector
 from .scenario import Fault, Policy, Scenario, Workload
-from .topo import Fabric, downlink_if, host_addr, host_if, leaf_name, mgmt_addr, spine_name, uplink_if
+from .topo import Fabric, downlink_if, host_addr, host_if, host_name, leaf_name, mgmt_addr, spine_name, uplink_if
 
 log = logging.getLogger("prismfab.runner")
 
@@ -105,10 +105,26 @@ def tc_drops(before: dict, after: dict) -> list[dict]:
     return out
 
 
+TOPO_FILE = "prism-topo.json"
+
+
+def prism_topology(spec, rank_rail: str | None = None) -> dict:
+    """The PRISM_TOPO of a run under leaf_routing "sport": leaf r is rail r's, with one uplink per spine
+    (entropy e on uplink e mod spines: no entropy_uplink table, which is what the leaves' port map does);
+    host i is named h<i> and lists the leaf of each of its rails in its PRISM_IFNAMES order (Prism's rail
+    index), which depends on the workload's rank_rail."""
+    return {
+        "rails": spec.rails, "uplinks": spec.spines, "spines": spec.spines,
+        "leaves": [{"uplinks": spec.spines} for _ in range(spec.rails)],
+        "hosts": [{"name": host_name(i), "leaves": spec.rail_order(i, rank_rail)} for i in range(spec.hosts)],
+    }
+
+
 def rank_env(scn: Scenario, pol: Policy, i: int, out: Path, wl: Workload | None = None) -> dict[str, str]:
     """The environment of rank i: the caller's, minus any PRISM_* (the plugin rejects names it does not
     know, and a stray setting would skew the run), plus this run's: the scenario's variables, then the
-    workload's, then the policy's (the later win)."""
+    workload's, then the policy's (the later win). Under leaf_routing "sport" also its source port base,
+    the run's topology file (`out/prism-topo.json`, written by `run_one`) and its host name there."""
     spec = scn.topology
     env = {k: v for k, v in os.environ.items() if not k.startswith("PRISM_") and not k.startswith("NCCL_")}
     rails = spec.rail_order(i, wl.rank_rail if wl else None)
@@ -119,6 +135,12 @@ def rank_env(scn: Scenario, pol: Policy, i: int, out: Path, wl: Workload | None 
         "PRISM_MTU": str(spec.mtu),
         "PRISM_STATS": str(out / f"stats-rank{i}.json"),
     })
+    if spec.leaf_routing == "sport":
+        env.update({
+            "PRISM_UDP_SPORT_BASE": str(spec.sport_base(i, scn.paths)),
+            "PRISM_TOPO": str(out / TOPO_FILE),
+            "PRISM_HOST": host_name(i),
+        })
     env.update(scn.prism_env)
     if wl:
         env.update(wl.env)
@@ -154,6 +176,8 @@ def run_one(fab: Fabric, scn: Scenario, bins: Binaries, wl: Workload, pol: Polic
             old.unlink()
     label = f"{wl.name}/{pol.name}" + (f"/{fault.name}" if fault else "")
     log.info("run %s", label)
+    if spec.leaf_routing == "sport":
+        (out / TOPO_FILE).write_text(json.dumps(prism_topology(spec, wl.rank_rail), indent=1))
     reset_flow_counters(fab)
     tc0 = tc_snapshot(fab)
     udp0 = {h.name: read_udp(h.pid) for h in fab.hosts()}

@@ -24,7 +24,12 @@ MAX_HOSTS = 250
 MAX_RAILS = 27
 MAX_SPINES = 250
 
-RANK_RAIL_MODES = ("rotate", "aligned", "half")
+RANK_RAIL_MODES = ("rotate", "aligned", "half", "first")
+LEAF_ROUTING_MODES = ("hash", "sport")
+# Under leaf_routing "sport", rank i's UDP sockets take ports SPORT_BASE + i * rails * paths onwards
+# (PRISM_UDP_SPORT_BASE), clear of the self-test's probe ports (20000-31063). Each rank is alone in its
+# host's namespace, so nothing else binds UDP ports there.
+SPORT_BASE = 40000
 FAULT_KINDS = ("link_down", "blackhole", "loss", "slow_spine")
 COLLECTIVES = ("sendrecv", "all_reduce", "all_gather", "reduce_scatter", "alltoall", "alltoall_sparse")
 
@@ -81,11 +86,20 @@ class TopologySpec:
     # neighbours sit on different leaves and talk through the spines; "aligned" keeps every rank on rail 0
     # (rail-local, the spines stay idle); "half" puts the first half of the ranks on rail 0 and the rest on
     # rail 1, so a ring crosses the spines exactly twice (few flows: the ECMP worst case).
+    # "first" puts rank 0 alone on rail 0 and every other rank on rail 1: under PRISM_RAIL=single an
+    # alltoall then sends n-1 equal flows from one process on leaf 0 to leaf 1 (Ethereal's many flows over
+    # few uplinks, planned in one batch), and one flow from each of n-1 processes back.
     rank_rail: str = "rotate"
+    # How a leaf picks the spine of a cross-leaf packet: "hash" = the kernel's ECMP hash of the 5-tuple
+    # (Prism cannot know where an entropy goes); "sport" = by UDP source port: rank i binds its sockets
+    # from SPORT_BASE + i * rails * paths (PRISM_UDP_SPORT_BASE), entropy e of any rail leaves on spine
+    # e mod spines, exactly what Prism assumes without an entropy_uplink table; the runner then gives
+    # every rank a PRISM_TOPO of the fabric and its PRISM_HOST. Other packets (TCP, probes) keep the hash.
+    leaf_routing: str = "hash"
 
     FIELDS = {"hosts", "rails", "spines", "host_bw_mbit", "spine_bw_mbit", "mtu", "queue_pkts", "host_queue_pkts",
               "hash_policy",
-              "hash_seed", "rank_rail"}
+              "hash_seed", "rank_rail", "leaf_routing"}
 
     @classmethod
     def from_json(cls, d: dict, where: str = "topology") -> "TopologySpec":
@@ -103,6 +117,7 @@ class TopologySpec:
         t.hash_policy = _num(d, "hash_policy", where, 1, 1, t.hash_policy)
         t.hash_seed = _num(d, "hash_seed", where, 1, 2**32 - 1, t.hash_seed)
         t.rank_rail = d.get("rank_rail", t.rank_rail)
+        t.leaf_routing = d.get("leaf_routing", t.leaf_routing)
         t.validate(where)
         return t
 
@@ -110,8 +125,10 @@ class TopologySpec:
         """Checks what a single field cannot: combinations."""
         if self.rank_rail not in RANK_RAIL_MODES:
             raise ScenarioError(f"{where}.rank_rail={self.rank_rail!r}: one of {', '.join(RANK_RAIL_MODES)}")
-        if self.rank_rail in ("rotate", "half") and self.rails < 2:
+        if self.rank_rail in ("rotate", "half", "first") and self.rails < 2:
             raise ScenarioError(f"{where}.rank_rail={self.rank_rail}: needs at least 2 rails (or use aligned)")
+        if self.leaf_routing not in LEAF_ROUTING_MODES:
+            raise ScenarioError(f"{where}.leaf_routing={self.leaf_routing!r}: one of {', '.join(LEAF_ROUTING_MODES)}")
 
     def rank_rail_of(self, host: int, mode: str | None = None) -> int:
         """The rail host `host`'s rank uses as its device 0 (under `mode`, default the topology's)."""
@@ -120,7 +137,24 @@ class TopologySpec:
             return host % self.rails
         if mode == "half":
             return 0 if host < (self.hosts + 1) // 2 else 1
+        if mode == "first":
+            return 0 if host == 0 else 1
         return 0
+
+    def sport_base(self, host: int, paths: int) -> int:
+        """PRISM_UDP_SPORT_BASE of host `host`'s rank under leaf_routing "sport"."""
+        return SPORT_BASE + host * self.rails * paths
+
+    def sport_spines(self, paths: int) -> dict[int, int]:
+        """{UDP source port: spine} of every Prism socket of every rank under leaf_routing "sport": entropy
+        e (port base + k * paths + e on the rank's k-th rail) leaves on spine e mod spines."""
+        out = {}
+        for i in range(self.hosts):
+            base = self.sport_base(i, paths)
+            for k in range(self.rails):
+                for e in range(paths):
+                    out[base + k * paths + e] = e % self.spines
+        return out
 
     def rail_order(self, host: int, mode: str | None = None) -> list[int]:
         """Host `host`'s rails in PRISM_IFNAMES order: its rank's rail first, then the others ascending.
@@ -314,26 +348,36 @@ class Checks:
     # Under those faults (with a dead link), the bulk of the bytes must leave the dead path within this
     # many round trips of the fault (None: reported, not asserted).
     recovery_rtts_max: float | None = None
+    # Policies whose every busy leaf must spread its uplink bytes within `spread_max` (max/min - 1) on
+    # `spread_workload` (Ethereal's claim); every other policy's spread on that workload is reported next
+    # to it.
+    spread_policies: list[str] = field(default_factory=list)
+    spread_workload: str = ""
+    spread_max: float = 0.02
 
     @classmethod
     def from_json(cls, d: dict, where: str = "checks") -> "Checks":
         """Reads and checks the `checks` object."""
         _only(d, where, {"balanced_policies", "pinned_policy", "pinned_workload", "balance_workload",
-                         "balance_tolerance", "cct_faults", "cct_ratio_max", "recovery_rtts_max"})
+                         "balance_tolerance", "cct_faults", "cct_ratio_max", "recovery_rtts_max",
+                         "spread_policies", "spread_workload", "spread_max"})
         c = cls()
-        for k in ("balanced_policies", "cct_faults"):
+        for k in ("balanced_policies", "cct_faults", "spread_policies"):
             if k in d:
                 v = d[k]
                 if not isinstance(v, list) or not all(isinstance(x, str) for x in v):
                     raise ScenarioError(f"{where}.{k}: a list of names")
                 setattr(c, k, v)
-        for k in ("pinned_policy", "pinned_workload", "balance_workload"):
+        for k in ("pinned_policy", "pinned_workload", "balance_workload", "spread_workload"):
             if k in d:
                 if not isinstance(d[k], str):
                     raise ScenarioError(f"{where}.{k}: a name")
                 setattr(c, k, d[k])
         c.balance_tolerance = float(_num(d, "balance_tolerance", where, 0.0, 10.0, c.balance_tolerance, integer=False))
         c.cct_ratio_max = float(_num(d, "cct_ratio_max", where, 1.0, 100.0, c.cct_ratio_max, integer=False))
+        c.spread_max = float(_num(d, "spread_max", where, 0.0, 10.0, c.spread_max, integer=False))
+        if c.spread_policies and not c.spread_workload:
+            raise ScenarioError(f"{where}.spread_workload: needed with spread_policies (the workload they are judged on)")
         if d.get("recovery_rtts_max") is not None:
             c.recovery_rtts_max = float(_num(d, "recovery_rtts_max", where, 0.1, 10000.0, integer=False))
         return c
@@ -414,16 +458,24 @@ class Scenario:
                     raise ScenarioError(f"{w}.spine={part.spine}: the topology has {self.topology.spines} spines")
                 if part.leaf >= self.topology.rails:
                     raise ScenarioError(f"{w}.leaf={part.leaf}: the topology has {self.topology.rails} leaves")
+        if self.topology.leaf_routing == "sport" and self.faults:
+            raise ScenarioError("faults: not supported with topology.leaf_routing=sport (its per-spine routes do not "
+                                "fail over as the hashed multipath route does); use a separate scenario")
+        if self.topology.leaf_routing == "sport":
+            last = self.topology.sport_base(self.topology.hosts, self.paths) - 1
+            if last > 65535:
+                raise ScenarioError(f"topology.leaf_routing=sport: {self.topology.hosts} hosts x {self.topology.rails} rails x "
+                                    f"{self.paths} paths need source ports {SPORT_BASE}..{last}, past 65535")
         c = self.checks
-        for p in c.balanced_policies + [c.pinned_policy]:
+        for p in c.balanced_policies + c.spread_policies + [c.pinned_policy]:
             if p and pol and p not in pol:
                 raise ScenarioError(f"checks: policy {p!r} is not defined in policies")
-        for k in ("balance_workload", "pinned_workload"):
+        for k in ("balance_workload", "pinned_workload", "spread_workload"):
             v = getattr(c, k)
             if v and wl and v not in wl:
                 raise ScenarioError(f"checks.{k}={v!r}: not a workload")
         for i, w in enumerate(self.workloads):
-            if w.rank_rail in ("rotate", "half") and self.topology.rails < 2:
+            if w.rank_rail in ("rotate", "half", "first") and self.topology.rails < 2:
                 raise ScenarioError(f"workloads[{i}].rank_rail={w.rank_rail}: needs at least 2 rails")
         faults = {f.name for f in self.faults}
         for f in c.cct_faults:

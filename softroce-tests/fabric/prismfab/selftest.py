@@ -146,6 +146,29 @@ def check_ecmp_oracle(fab: Fabric, nports: int = 256, count: int = 2) -> Check:
                  {"measured": measured, "expected": expected, "ports_per_spine": [e // count for e in expected]})
 
 
+def check_sport_routing(fab: Fabric, count: int = 2) -> Check:
+    """leaf_routing "sport": UDP from the source ports of host 0's rank (its first rail's range) crosses
+    exactly the spine the leaf's nft map assigns to each port (entropy e on spine e mod spines)."""
+    src, sr, dst, dr = cross_pair(fab)
+    ports = fab.sport_ports()
+    # Host 0's first rail: the lowest `per_rail` ports (bases grow with the host index, then the rail).
+    per_rail = len(ports) // (fab.spec.hosts * fab.spec.rails)
+    mine = sorted(ports)[:per_rail]
+    lf = fab.leaf(sr)
+    fab.host(src).cmd(f"ping -c1 -W1 -I {host_addr(src, sr)} {host_addr(dst, dr)}")  # ARP warm-up
+    before = read_netdev(lf.pid)
+    _, recv = probe(fab, src, sr, dst, dr, f"{mine[0]}-{mine[-1]}", count)
+    after = read_netdev(lf.pid)
+    spines = fab.spec.spines
+    measured = [after[uplink_if(sr, s)]["tx_packets"] - before[uplink_if(sr, s)]["tx_packets"] for s in range(spines)]
+    expected = [count * sum(1 for p in mine if ports[p] == s) for s in range(spines)]
+    ok = all(0 <= m - e <= 2 for m, e in zip(measured, expected)) and recv["received"] == len(mine) * count
+    return Check("fabric.sport_routing", ok,
+                 f"source ports {mine[0]}-{mine[-1]} x {count}: per-spine packets measured {measured}, the leaf's "
+                 f"port map says {expected}; received {recv['received']}/{len(mine) * count}",
+                 {"measured": measured, "expected": expected})
+
+
 def check_hash_seed(fab: Fabric) -> Check:
     """Every router runs the L4 hash with the scenario's seed (so a port maps to the same spine on every
     run and every machine with this kernel)."""
@@ -417,6 +440,8 @@ def run_all(fab: Fabric, with_traffic: bool = True) -> list[Check]:
         return checks
     if fab.spec.rails >= 2:
         checks.append(check_ecmp_oracle(fab))
+        if fab.sport_ports():
+            checks.append(check_sport_routing(fab))
     if with_traffic:
         checks.append(timed(lambda: check_shaping(fab)))
         if fab.spec.rails >= 2:

@@ -36,6 +36,9 @@ from .scenario import TopologySpec
 log = logging.getLogger("prismfab.topo")
 
 MGMT_BRIDGE = "pfmgmt0"
+# leaf_routing "sport": nft table on every leaf, and the routing table (and fwmark) of spine s.
+SPORT_TABLE = "prismfab_sport"
+SPORT_RT_BASE = 1000
 MGMT_OUTER_ADDR = "10.255.0.254"
 
 
@@ -172,6 +175,8 @@ class Fabric:
         self.spec = spec
         self.net: Mininet | None = None
         self._macs: dict[str, str] = {}
+        # leaf_routing "sport": {UDP source port: spine}, set by `sport_routing`.
+        self._sport: dict[int, int] | None = None
 
     # --- build -----------------------------------------------------------------------------------------
 
@@ -318,6 +323,8 @@ class Fabric:
                 for o in range(spec.rails):
                     if o != r:
                         self.sh(lf, f"ip route replace {rail_prefix(o)} {hops}")
+        if self._sport is not None:
+            self._sport_routes()
         for s in range(spec.spines):
             for r in range(spec.rails):
                 sp = self.spine(s)
@@ -325,6 +332,47 @@ class Fabric:
                 if "state UP" not in out and "LOWER_UP" not in out:
                     continue  # the link is down on purpose (a fault); its route comes back with it
                 self.sh(sp, f"ip route replace {rail_prefix(r)} via {leaf_spine_addrs(r, s)[0]} dev {downlink_if(s, r)}")
+
+    def sport_routing(self, ports: dict[int, int], workdir) -> None:
+        """leaf_routing "sport": every leaf sends a UDP packet whose source port is in `ports` ({port:
+        spine}) to another rail through that spine; everything else keeps the hashed multipath route.
+        An nft map in prerouting marks the packet (mark = spine + 1), `ip rule fwmark` sends it to the
+        spine's table, which routes the other rails' prefixes through that spine only (a rail-local
+        destination is not in it, so the lookup falls through to the main table). The nft script goes
+        through a file in `workdir` (a node's shell takes lines of at most 4 KiB)."""
+        from pathlib import Path
+
+        self._sport = dict(ports)
+        elems = ", ".join(f"{p} : {s + 1}" for p, s in sorted(self._sport.items()))
+        script = Path(workdir) / "sport-routing.nft"
+        script.write_text(
+            f"table ip {SPORT_TABLE} {{\n"
+            f"  map spine {{ type inet_service : mark; elements = {{ {elems} }} }}\n"
+            f"  chain pre {{ type filter hook prerouting priority mangle; policy accept;\n"
+            f"    meta l4proto udp meta mark set udp sport map @spine\n"
+            f"  }}\n"
+            f"}}\n")
+        for r in range(self.spec.rails):
+            self.sh(self.leaf(r), f"nft -f {script}")
+        self._sport_routes()
+
+    def _sport_routes(self) -> None:
+        """(Re)installs the per-spine tables and fwmark rules of leaf_routing "sport"; idempotent."""
+        spec = self.spec
+        for r in range(spec.rails):
+            lf = self.leaf(r)
+            for s in range(spec.spines):
+                table = SPORT_RT_BASE + s
+                for o in range(spec.rails):
+                    if o != r:
+                        self.sh(lf, f"ip route replace {rail_prefix(o)} via {leaf_spine_addrs(r, s)[1]} "
+                                    f"dev {uplink_if(r, s)} table {table}")
+                if f"lookup {table}" not in lf.cmd(f"ip rule show fwmark {s + 1}"):
+                    self.sh(lf, f"ip rule add fwmark {s + 1} lookup {table} priority {table}")
+
+    def sport_ports(self) -> dict[int, int]:
+        """{UDP source port: spine} of leaf_routing "sport" (empty under the hash)."""
+        return dict(self._sport or {})
 
     def _queues(self) -> None:
         # Under TCLink's htb class sits the device's default queue; a switch port has a short buffer, so
@@ -399,4 +447,5 @@ class Fabric:
             "queue_pkts": spec.queue_pkts,
             "host_queue_pkts": spec.host_queue_pkts,
             "hash": {"policy": spec.hash_policy, "seed": spec.hash_seed},
+            "leaf_routing": spec.leaf_routing,
         }

@@ -141,3 +141,31 @@ class Acceptance(unittest.TestCase):
 
 if __name__ == "__main__":
     unittest.main()
+
+
+class UplinkSpread(unittest.TestCase):
+    scn = Scenario.load(SCENARIOS / "ethereal.json")
+    even = {"0": [6_300_000, 6_310_000, 6_290_000, 6_300_000], "1": [1_300_000, 1_310_000, 1_300_000, 1_305_000]}
+
+    def runs(self, ethereal_uplinks):
+        return [run("five_flows", "ethereal", uplinks=ethereal_uplinks),
+                run("five_flows", "ecmp", uplinks={"0": [9e6, 3e6, 6e6, 7e6], "1": [2e6, 1e6, 1e6, 1e6]})]
+
+    def test_even_uplinks_pass_and_the_other_policies_are_shown(self):
+        c = by_name(checks.evaluate(self.scn, self.runs(self.even)))["spread.ethereal"]
+        self.assertTrue(c.ok, c.detail)
+        self.assertIn("ecmp: lf0 [9.00, 3.00, 6.00, 7.00] MB = 200.0 %", c.detail)
+        self.assertAlmostEqual(c.data["spread"]["0"], 6_310_000 / 6_290_000 - 1)
+
+    def test_three_percent_on_one_leaf_fails(self):
+        bad = dict(self.even, **{"1": [1_000_000, 1_030_000, 1_000_000, 1_010_000]})
+        c = by_name(checks.evaluate(self.scn, self.runs(bad)))["spread.ethereal"]
+        self.assertFalse(c.ok, c.detail)
+
+    def test_an_idle_uplink_fails(self):
+        c = by_name(checks.evaluate(self.scn, self.runs({"0": [4e6, 4e6, 0, 4e6], "1": [0, 0, 0, 0]})))["spread.ethereal"]
+        self.assertFalse(c.ok, c.detail)
+
+    def test_a_missing_run_fails(self):
+        c = by_name(checks.evaluate(self.scn, self.runs(self.even)[1:]))["spread.ethereal"]
+        self.assertFalse(c.ok)

@@ -40,6 +40,20 @@ class SpineBalance(unittest.TestCase):
     def test_a_few_stray_bytes_are_not_judged(self):
         b = metrics.spine_balance(self.spec, links(self.spec, [[100, 0], [0, 0]], [[0, 0], [0, 0]]))
         self.assertIsNone(b["spine_imbalance"])
+        self.assertIsNone(b["leaf_uplink_spread"]["0"])
+
+    def test_the_uplink_spread_is_max_over_min_minus_one(self):
+        b = metrics.spine_balance(self.spec, links(self.spec, [[4 << 20, 4 << 20], [4 << 20, 5 << 20]], [[0, 0], [0, 0]]))
+        self.assertEqual(b["leaf_uplink_spread"]["0"], 0.0)
+        self.assertAlmostEqual(b["leaf_uplink_spread"]["1"], 0.25)
+
+
+class Spread(unittest.TestCase):
+    def test_equal_is_zero_and_an_idle_uplink_has_no_finite_spread(self):
+        self.assertEqual(metrics.spread([5, 5, 5, 5]), 0.0)
+        self.assertAlmostEqual(metrics.spread([100, 101, 102, 100]), 0.02)
+        self.assertIsNone(metrics.spread([3, 0, 3, 3]))
+        self.assertIsNone(metrics.spread([]))
 
 
 class FlowBalance(unittest.TestCase):

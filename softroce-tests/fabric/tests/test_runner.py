@@ -74,3 +74,45 @@ class FaultCommands(unittest.TestCase):
 
 if __name__ == "__main__":
     unittest.main()
+
+
+class SportRouting(unittest.TestCase):
+    """leaf_routing "sport": each rank's source ports, its topology file and host name."""
+
+    scn = Scenario.load(SCENARIOS / "ethereal.json")
+    pol = Policy("ethereal", {"PRISM_PATH": "ecmp", "PRISM_SPLIT": "ethereal"})
+
+    def test_each_rank_gets_its_own_port_range_its_host_name_and_the_topology(self):
+        ranges = []
+        for i in range(self.scn.topology.hosts):
+            env = runner.rank_env(self.scn, self.pol, i, Path("o"), self.scn.workloads[0])
+            base = int(env["PRISM_UDP_SPORT_BASE"])
+            ranges.append(range(base, base + self.scn.topology.rails * self.scn.paths))
+            self.assertEqual(env["PRISM_HOST"], f"h{i}")
+            self.assertEqual(env["PRISM_TOPO"], str(Path("o") / runner.TOPO_FILE))
+        ports = [p for r in ranges for p in r]
+        self.assertEqual(len(ports), len(set(ports)), "two ranks share a source port")
+        self.assertEqual(set(ports), set(self.scn.topology.sport_spines(self.scn.paths)))
+
+    def test_the_hashed_fabric_gives_no_topology_and_no_fixed_ports(self):
+        env = runner.rank_env(Scenario.load(SCENARIOS / "ci.json"), self.pol, 1, Path("o"))
+        for k in ("PRISM_UDP_SPORT_BASE", "PRISM_TOPO", "PRISM_HOST"):
+            self.assertNotIn(k, env)
+
+    def test_entropy_e_of_every_rail_is_steered_to_spine_e_mod_spines(self):
+        spec, paths = self.scn.topology, self.scn.paths
+        m = spec.sport_spines(paths)
+        for i in range(spec.hosts):
+            for k in range(spec.rails):
+                for e in (0, 1, 5, paths - 1):
+                    self.assertEqual(m[spec.sport_base(i, paths) + k * paths + e], e % spec.spines)
+
+    def test_the_topology_lists_each_hosts_leaves_in_its_interface_order(self):
+        t = runner.prism_topology(self.scn.topology, "first")
+        self.assertEqual((t["rails"], t["uplinks"]), (2, 4))
+        self.assertEqual(t["hosts"][0], {"name": "h0", "leaves": [0, 1]})
+        self.assertEqual(t["hosts"][3], {"name": "h3", "leaves": [1, 0]})
+        env = runner.rank_env(self.scn, self.pol, 3, Path("o"), self.scn.workloads[0])
+        self.assertEqual(env["PRISM_IFNAMES"], "h3-r1,h3-r0")
+        self.assertEqual(len(t["leaves"]), 2)
+        self.assertNotIn("entropy_uplink", t["leaves"][0])

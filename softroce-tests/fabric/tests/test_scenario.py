@@ -163,3 +163,44 @@ class RankRails(unittest.TestCase):
 
 if __name__ == "__main__":
     unittest.main()
+
+
+class SportScenario(unittest.TestCase):
+    def load(self, **topo):
+        d = json.loads((SCENARIOS / "ethereal.json").read_text())
+        d["topology"].update(topo)
+        return Scenario.from_json(d)
+
+    def test_the_ethereal_scenario_routes_by_source_port_with_rank0_alone_on_rail0(self):
+        s = Scenario.load(SCENARIOS / "ethereal.json")
+        self.assertEqual(s.topology.leaf_routing, "sport")
+        self.assertEqual([s.topology.rank_rail_of(i) for i in range(6)], [0, 1, 1, 1, 1, 1])
+        self.assertEqual((s.checks.spread_policies, s.checks.spread_max), (["ethereal"], 0.02))
+
+    def test_the_shipped_hashed_scenarios_keep_the_hash(self):
+        for name in ("ci.json", "default.json", "spines3.json"):
+            self.assertEqual(Scenario.load(SCENARIOS / name).topology.leaf_routing, "hash", name)
+
+    def test_an_unknown_routing_is_named(self):
+        with self.assertRaises(ScenarioError) as e:
+            self.load(leaf_routing="ospf")
+        self.assertIn("topology.leaf_routing", str(e.exception))
+
+    def test_ports_past_65535_are_rejected(self):
+        with self.assertRaises(ScenarioError) as e:
+            self.load(hosts=200)
+        self.assertIn("past 65535", str(e.exception))
+
+    def test_faults_are_refused_under_source_port_routing(self):
+        d = json.loads((SCENARIOS / "ethereal.json").read_text())
+        d["faults"] = [{"name": "bh", "kind": "blackhole", "workload": "five_flows", "policies": ["spray"]}]
+        with self.assertRaises(ScenarioError) as e:
+            Scenario.from_json(d)
+        self.assertIn("leaf_routing=sport", str(e.exception))
+
+    def test_spread_policies_need_a_workload(self):
+        d = json.loads((SCENARIOS / "ethereal.json").read_text())
+        del d["checks"]["spread_workload"]
+        with self.assertRaises(ScenarioError) as e:
+            Scenario.from_json(d)
+        self.assertIn("spread_workload", str(e.exception))

@@ -188,12 +188,21 @@ fn force_buf(sock: &Socket, opt: libc::c_int, bytes: usize) -> nix::Result<()> {
 }
 
 impl UdpRail {
-    /// Bind `paths` non-blocking sockets on `addr`, each on its own ephemeral port. Socket 0 (the rail
-    /// port) gets `sockbuf_bytes` of receive buffer; the others receive nothing legitimate and get the
-    /// kernel's smallest (see the module comment).
+    /// Bind `paths` non-blocking sockets on `addr`: socket `i` on port `first_port + i`, or each on its
+    /// own ephemeral port when `first_port` is 0. Socket 0 (the rail port) gets `sockbuf_bytes` of
+    /// receive buffer; the others receive nothing legitimate and get the kernel's smallest (see the
+    /// module comment).
     /// `offloads` says which of GSO and GRO to use where the kernel has them; without (setsockopt
     /// fails) the rail uses one datagram per message and says so once per process.
-    pub fn bind(addr: Ipv4Addr, paths: u16, sockbuf_bytes: u32, offloads: Offloads) -> io::Result<Self> {
+    /// A fixed range that does not fit below 65536 is `InvalidInput`; a port that cannot be bound is
+    /// the bind's error with the port in its message.
+    pub fn bind(addr: Ipv4Addr, first_port: u16, paths: u16, sockbuf_bytes: u32, offloads: Offloads) -> io::Result<Self> {
+        if first_port != 0 && u32::from(first_port) + u32::from(paths.max(1)) - 1 > u32::from(u16::MAX) {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                format!("ports {first_port}..{} do not fit below 65536", u32::from(first_port) + u32::from(paths.max(1)) - 1),
+            ));
+        }
         let mut socks = Vec::with_capacity(paths as usize);
         let mut ports = Vec::with_capacity(paths as usize);
         let strays = Epoll::new(EpollCreateFlags::EPOLL_CLOEXEC)?;
@@ -208,7 +217,14 @@ impl UdpRail {
                     tracing::debug!("cannot attach the drop-all filter to a send-only socket ({e}); it is drained instead");
                 }
             }
-            s.bind(&SocketAddrV4::new(addr, 0).into())?;
+            let port = if first_port == 0 { 0 } else { first_port + i };
+            s.bind(&SocketAddrV4::new(addr, port).into()).map_err(|e| {
+                if port == 0 {
+                    e
+                } else {
+                    io::Error::new(e.kind(), format!("port {port}: {e}"))
+                }
+            })?;
             let u: UdpSocket = s.into();
             if i > 0 {
                 strays.add(&u, EpollEvent::new(EpollFlags::EPOLLIN, u64::from(i)))?;
@@ -525,7 +541,7 @@ mod tests {
 
     #[test]
     fn each_entropy_has_its_own_source_port() {
-        let rail = UdpRail::bind(Ipv4Addr::LOCALHOST, 8, 1 << 20, Offloads::ALL).unwrap();
+        let rail = UdpRail::bind(Ipv4Addr::LOCALHOST, 0, 8, 1 << 20, Offloads::ALL).unwrap();
         let mut ports = rail.ports().to_vec();
         ports.sort_unstable();
         ports.dedup();
@@ -533,8 +549,48 @@ mod tests {
     }
 
     #[test]
+    fn a_fixed_first_port_gives_entropy_i_port_first_plus_i() {
+        // Another process may hold any given port on a shared machine: try a few free-looking ranges
+        // and accept only "address in use" as a reason to move on.
+        let mut last = None;
+        for _ in 0..20 {
+            let probe = UdpSocket::bind((Ipv4Addr::LOCALHOST, 0)).unwrap();
+            let first = probe.local_addr().unwrap().port().min(u16::MAX - 8);
+            drop(probe);
+            match UdpRail::bind(Ipv4Addr::LOCALHOST, first, 8, 1 << 20, Offloads::ALL) {
+                Ok(rail) => {
+                    assert_eq!(rail.ports(), (first..first + 8).collect::<Vec<_>>().as_slice());
+                    assert_eq!(rail.rail_port(), first);
+                    return;
+                }
+                Err(e) => {
+                    assert_eq!(e.kind(), io::ErrorKind::AddrInUse, "{e}");
+                    last = Some(e);
+                }
+            }
+        }
+        panic!("no free range of 8 ports in 20 tries: {last:?}");
+    }
+
+    #[test]
+    fn a_taken_fixed_port_is_an_error_naming_the_port() {
+        let holder = UdpSocket::bind((Ipv4Addr::LOCALHOST, 0)).unwrap();
+        let port = holder.local_addr().unwrap().port();
+        let Err(e) = UdpRail::bind(Ipv4Addr::LOCALHOST, port, 2, 1 << 20, Offloads::ALL) else { panic!("the port is taken") };
+        assert_eq!(e.kind(), io::ErrorKind::AddrInUse);
+        assert!(e.to_string().contains(&format!("port {port}")), "{e}");
+    }
+
+    #[test]
+    fn a_fixed_range_past_65535_is_refused_before_binding() {
+        let Err(e) = UdpRail::bind(Ipv4Addr::LOCALHOST, 65_530, 8, 1 << 20, Offloads::ALL) else { panic!("out of range") };
+        assert_eq!(e.kind(), io::ErrorKind::InvalidInput);
+        assert!(e.to_string().contains("65530..65537"), "{e}");
+    }
+
+    #[test]
     fn datagrams_at_a_send_only_port_are_dropped_by_the_kernel_and_counted() {
-        let rail = UdpRail::bind(Ipv4Addr::LOCALHOST, 4, 1 << 20, Offloads::ALL).unwrap();
+        let rail = UdpRail::bind(Ipv4Addr::LOCALHOST, 0, 4, 1 << 20, Offloads::ALL).unwrap();
         let stray = SocketAddrV4::new(Ipv4Addr::LOCALHOST, rail.ports()[2]);
         let attacker = UdpSocket::bind((Ipv4Addr::LOCALHOST, 0)).unwrap();
         assert_eq!(rail.send_only_drops(), Some(0), "nothing sent yet");
@@ -558,8 +614,8 @@ mod tests {
 
     #[test]
     fn batched_datagrams_arrive_from_the_entropys_port() {
-        let a = UdpRail::bind(Ipv4Addr::LOCALHOST, 4, 1 << 20, Offloads::ALL).unwrap();
-        let b = UdpRail::bind(Ipv4Addr::LOCALHOST, 1, 1 << 20, Offloads::ALL).unwrap();
+        let a = UdpRail::bind(Ipv4Addr::LOCALHOST, 0, 4, 1 << 20, Offloads::ALL).unwrap();
+        let b = UdpRail::bind(Ipv4Addr::LOCALHOST, 0, 1, 1 << 20, Offloads::ALL).unwrap();
         let dest = SocketAddrV4::new(Ipv4Addr::LOCALHOST, b.rail_port());
         let payloads: Vec<Vec<u8>> = (0..10u8).map(|i| vec![i; 100 + i as usize]).collect();
         let pkts: Vec<OutDatagram<'_>> = payloads.iter().enumerate().map(|(i, p)| OutDatagram::whole((i / 3) as u16, p)).collect();
@@ -637,8 +693,8 @@ mod tests {
     /// return what arrived (datagram by datagram, split as the engine splits), and how many coalesced
     /// buffers were seen.
     fn exchange(tx: Offloads, rx: Offloads, payloads: &[Vec<u8>]) -> (Vec<Vec<u8>>, usize, (u64, u64)) {
-        let a = UdpRail::bind(Ipv4Addr::LOCALHOST, 2, 4 << 20, tx).unwrap();
-        let b = UdpRail::bind(Ipv4Addr::LOCALHOST, 1, 4 << 20, rx).unwrap();
+        let a = UdpRail::bind(Ipv4Addr::LOCALHOST, 0, 2, 4 << 20, tx).unwrap();
+        let b = UdpRail::bind(Ipv4Addr::LOCALHOST, 0, 1, 4 << 20, rx).unwrap();
         let dest = SocketAddrV4::new(Ipv4Addr::LOCALHOST, b.rail_port());
         // In two pieces where they are long enough (a header, then the payload in place).
         let pkts: Vec<OutDatagram<'_>> =

@@ -50,6 +50,10 @@ pub struct TransportConfig {
     pub udp_gso: bool,
     /// `PRISM_UDP_GRO`: receive coalesced datagrams (`UDP_GRO`) where the kernel supports it.
     pub udp_gro: bool,
+    /// `PRISM_UDP_SPORT_BASE`: 0 = every UDP socket on an ephemeral port; else rail `r`'s entropy `e`
+    /// binds port `base + r * paths + e` (a fabric that routes by source port can then know which
+    /// entropy takes which uplink).
+    pub udp_sport_base: u16,
 }
 
 /// `PRISM_TRANSPORT`.
@@ -94,6 +98,7 @@ impl Default for TransportConfig {
             lb_chunk_set: false,
             udp_gso: true,
             udp_gro: true,
+            udp_sport_base: 0,
         }
     }
 }
@@ -156,6 +161,7 @@ impl TransportConfig {
         "PRISM_IB_CHUNK",
         "PRISM_UDP_GSO",
         "PRISM_UDP_GRO",
+        "PRISM_UDP_SPORT_BASE",
     ];
 
     /// Parse the variables; absent ones keep their defaults, bad ones are errors naming the variable.
@@ -221,6 +227,15 @@ impl TransportConfig {
         c.lb_chunk_set = vars.contains_key("PRISM_CHUNK");
         flag(vars, "PRISM_UDP_GSO", &mut c.udp_gso)?;
         flag(vars, "PRISM_UDP_GRO", &mut c.udp_gro)?;
+        num(vars, "PRISM_UDP_SPORT_BASE", 0, 65_535, &mut c.udp_sport_base)?;
+        if c.udp_sport_base != 0 && u32::from(c.udp_sport_base) + u32::from(c.paths) - 1 > 65_535 {
+            let v = vars.get("PRISM_UDP_SPORT_BASE").map_or("", String::as_str);
+            return Err(bad(
+                "PRISM_UDP_SPORT_BASE",
+                v,
+                &format!("with PRISM_PATHS={} the ports run past 65535 (at most {})", c.paths, 65_536 - u32::from(c.paths)),
+            ));
+        }
         if !(c.ib_chunk as usize).is_multiple_of(crate::wire::LINE_BYTES) {
             let v = vars.get("PRISM_IB_CHUNK").map_or("", String::as_str);
             return Err(bad("PRISM_IB_CHUNK", v, &format!("must be a multiple of {} (NCCL's LL128 line)", crate::wire::LINE_BYTES)));
@@ -233,7 +248,7 @@ impl TransportConfig {
         let ifs = if self.ifnames.is_empty() { "<default route>".to_string() } else { self.ifnames.join(",") };
         let mtu = if self.mtu == 0 { "auto".to_string() } else { self.mtu.to_string() };
         format!(
-            "transport={} ifnames={ifs} ib_hca={} qp={} ib_gid_index={} ib_chunk={} paths={} mtu={mtu} window={} peer_timeout_ms={} stall_timeout_ms={} connect_timeout_ms={} rto_min_us={} sockbuf={} seed={} udp_gso={} udp_gro={}",
+            "transport={} ifnames={ifs} ib_hca={} qp={} ib_gid_index={} ib_chunk={} paths={} udp_sport_base={} mtu={mtu} window={} peer_timeout_ms={} stall_timeout_ms={} connect_timeout_ms={} rto_min_us={} sockbuf={} seed={} udp_gso={} udp_gro={}",
             match self.transport {
                 Transport::Auto => "auto",
                 Transport::Verbs => "verbs",
@@ -246,7 +261,7 @@ impl TransportConfig {
             },
             self.ib_gid_index.map_or("auto".to_string(), |g| g.to_string()),
             self.ib_chunk,
-            self.paths, self.window_pkts, self.peer_timeout_ms, self.stall_timeout_ms, self.connect_timeout_ms, self.rto_min_us, self.sockbuf, self.seed,
+            self.paths, self.udp_sport_base, self.window_pkts, self.peer_timeout_ms, self.stall_timeout_ms, self.connect_timeout_ms, self.rto_min_us, self.sockbuf, self.seed,
             u8::from(self.udp_gso), u8::from(self.udp_gro)
         )
     }
@@ -326,6 +341,18 @@ mod tests {
         assert_eq!(c.stall_timeout_ms, 1500);
         let e = TransportConfig::from_vars(&vars(&[("PRISM_STALL_TIMEOUT_MS", "0")])).unwrap_err().to_string();
         assert_eq!(e, "PRISM_STALL_TIMEOUT_MS=0: must be between 10 and 3600000");
+    }
+
+    #[test]
+    fn udp_sport_base_parses_and_its_range_must_fit_the_paths() {
+        assert_eq!(TransportConfig::default().udp_sport_base, 0);
+        let c = TransportConfig::from_vars(&vars(&[("PRISM_UDP_SPORT_BASE", "20000"), ("PRISM_PATHS", "128")])).unwrap();
+        assert_eq!((c.udp_sport_base, c.paths), (20_000, 128));
+        let e = TransportConfig::from_vars(&vars(&[("PRISM_UDP_SPORT_BASE", "65500"), ("PRISM_PATHS", "64")])).unwrap_err().to_string();
+        assert_eq!(e, "PRISM_UDP_SPORT_BASE=65500: with PRISM_PATHS=64 the ports run past 65535 (at most 65472)");
+        let e = TransportConfig::from_vars(&vars(&[("PRISM_UDP_SPORT_BASE", "70000")])).unwrap_err().to_string();
+        assert_eq!(e, "PRISM_UDP_SPORT_BASE=70000: must be a number between 0 and 65535");
+        assert!(TransportConfig::from_vars(&vars(&[("PRISM_UDP_SPORT_BASE", "65472"), ("PRISM_PATHS", "64")])).is_ok());
     }
 
     #[test]

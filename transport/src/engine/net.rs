@@ -104,6 +104,18 @@ impl Net {
             }
         }
         let devices = if rails.is_empty() { device::discover(&cfg.ifnames)? } else { Vec::new() };
+        if cfg.udp_sport_base != 0 && !devices.is_empty() {
+            // Checked before any socket exists, so the answer does not depend on which ports are free.
+            let last = u32::from(cfg.udp_sport_base) + devices.len() as u32 * u32::from(cfg.paths) - 1;
+            if last > u32::from(u16::MAX) {
+                return Err(TransportError::Config(format!(
+                    "PRISM_UDP_SPORT_BASE={}: {} rails x PRISM_PATHS={} need ports up to {last}, past 65535",
+                    cfg.udp_sport_base,
+                    devices.len(),
+                    cfg.paths
+                )));
+            }
+        }
         for info in devices {
             let std::net::IpAddr::V4(addr) = info.addr else {
                 return Err(TransportError::NoDevice(format!("{}: only IPv4 is supported", info.ifname)));
@@ -115,8 +127,25 @@ impl Net {
                 return Err(TransportError::Config(format!("PRISM_MTU={mtu}: too small for Prism's headers")));
             }
             min_dgram = min_dgram.min(max_dgram);
-            let udp = UdpRail::bind(addr, cfg.paths, cfg.sockbuf, Offloads { gso: cfg.udp_gso, gro: cfg.udp_gro })
-                .map_err(io_err(format!("binding UDP sockets on {}", info.ifname)))?;
+            let offloads = Offloads { gso: cfg.udp_gso, gro: cfg.udp_gro };
+            let udp = if cfg.udp_sport_base == 0 {
+                UdpRail::bind(addr, 0, cfg.paths, cfg.sockbuf, offloads)
+                    .map_err(io_err(format!("binding UDP sockets on {}", info.ifname)))?
+            } else {
+                // Rail r's entropy e on port base + r * paths + e: a fabric that steers by source port
+                // knows every entropy's uplink.
+                // (Within 65535: checked above.)
+                let base = u32::from(cfg.udp_sport_base);
+                let first = base + rails.len() as u32 * u32::from(cfg.paths);
+                let last = first + u32::from(cfg.paths) - 1;
+                UdpRail::bind(addr, first as u16, cfg.paths, cfg.sockbuf, offloads).map_err(|e| {
+                    TransportError::Config(format!(
+                        "PRISM_UDP_SPORT_BASE={base}: rail {} ({}): cannot bind UDP source ports {first}..{last} on {addr}: {e}",
+                        rails.len(),
+                        info.ifname
+                    ))
+                })?
+            };
             tracing::info!(
                 rail = %info.name, addr = %addr, port = udp.rail_port(), paths = udp.paths(), max_datagram = max_dgram,
                 gso = udp.gso(), gro = udp.gro(), "rail ready: {} source ports, one per entropy", udp.paths()
