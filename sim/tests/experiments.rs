@@ -55,6 +55,21 @@ fn seed_000_reps_on_hashing_switches_keeps_up_with_the_balanced_reference_where_
 }
 
 #[test]
+fn on_the_rail_fabric_a_black_holed_spine_costs_reps_no_more_than_spraying() {
+    // The fabric CI scenario's shape in the simulator (issue 12): REPS keeps to the entropies that
+    // were acknowledged; with SACKs going back along a dead way back it heard nothing and finished
+    // 1.77x after spraying, before the receiver rotated its SACKs after a duplicate.
+    let r = ci("rail-blackhole");
+    let seed = r.runs[0].seed;
+    let (reps, spray) = (cct(&r, "reps", true), cct(&r, "spray", true));
+    assert!(reps < 1.2 * spray, "seed {seed}: REPS {reps} µs vs spraying {spray} µs under the black hole");
+    for p in ["reps", "pro", "spray", "dr"] {
+        let (ok, bad) = (cct(&r, p, false), cct(&r, p, true));
+        assert!(bad < 1.5 * ok, "seed {seed}: {p} {bad} µs under the black hole vs {ok} µs without");
+    }
+}
+
+#[test]
 fn seed_000_destination_rotation_queues_grow_slower_with_message_size_than_random_spraying() {
     let r = ci("000-queue-growth");
     let slope = |s: &str| r.queue_slope[s];
