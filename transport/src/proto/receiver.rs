@@ -11,11 +11,6 @@ use super::{Completion, Micros, MsgError, MsgId, Placer, RecvSpec, Transmit};
 use crate::wire::sack::ECHO_BY_PSN;
 use crate::wire::{CtsBuf, CtsPacket, CtsRepr, DataRepr, SackPacket, SackRepr, MAX_RECV_BUFS};
 
-/// SACKs sent on the control rotation (over every path this end deems fit) after a retransmitted
-/// packet arrived again, instead of back along the triggering packet's entropy. (Every other one was
-/// not enough: a simulated black hole under REPS still took 1,003 ms instead of 631.)
-const SACK_ROTATE_AFTER_DUPLICATE: u32 = 16;
-
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum SubEnd {
     Open,
@@ -113,9 +108,6 @@ pub(crate) struct RxState {
     congested: bool,
     /// The trigger was a retransmission of a packet that had arrived.
     spurious: bool,
-    /// SACKs left that go out on the control rotation instead of back along the triggering packet's
-    /// entropy (set when a packet arrives again: the SACKs that covered it were lost).
-    sack_rotate: u32,
     /// Buffers whose message began to arrive and has not finished.
     started_subs: usize,
     /// When DATA was last accepted into a receive.
@@ -136,7 +128,6 @@ impl RxState {
             trigger: None,
             congested: false,
             spurious: false,
-            sack_rotate: 0,
             started_subs: 0,
             data_at: 0,
         }
@@ -336,14 +327,6 @@ impl Connection {
                 self.rx.trigger = Some((d.psn, echo_entropy, echo_ts));
                 self.rx.spurious = d.retx;
                 self.rx.sack_due = true;
-                if d.retx {
-                    // The SACKs that covered it did not get through. Where switches hash the
-                    // addresses too, the way back of an entropy is another path than the way there,
-                    // and this end cannot see which: a sender that keeps to few entropies (REPS
-                    // recycling one good path) would otherwise have every SACK go back along the same
-                    // dead path and hear nothing until its RTOs (a simulated black hole: 800 ms).
-                    self.rx.sack_rotate = SACK_ROTATE_AFTER_DUPLICATE;
-                }
                 return;
             }
             Arrival::BeyondWindow => {
@@ -496,10 +479,8 @@ impl Connection {
         // The triggering packet came in on its entropy, so that path works; answer along it, unless
         // this end knows better (the path is dead, or unproven during a failure episode: a connection
         // that also sends, or a driver's hint, learnt it; the way back may hash elsewhere).
-        let rotate = self.rx.sack_rotate > 0;
-        self.rx.sack_rotate = self.rx.sack_rotate.saturating_sub(1);
         let entropy = match echo {
-            Some((e, _)) if !rotate && self.path_preferred((e & !ECHO_BY_PSN) % self.cfg.n_paths) => (e & !ECHO_BY_PSN) % self.cfg.n_paths,
+            Some((e, _)) if self.path_preferred((e & !ECHO_BY_PSN) % self.cfg.n_paths) => (e & !ECHO_BY_PSN) % self.cfg.n_paths,
             _ => self.ctl_entropy(),
         };
         Some(Transmit { entropy, len: repr.buffer_len() })
