@@ -57,16 +57,17 @@ fn seed_000_reps_on_hashing_switches_keeps_up_with_the_balanced_reference_where_
 #[test]
 fn on_the_rail_fabric_every_policy_finishes_under_a_black_holed_spine() {
     // The fabric CI scenario's shape in the simulator (issue 12). REPS keeps to the entropies that
-    // were acknowledged, and where the way back of its one good entropy crosses the dead spine its
-    // SACKs vanish: it finishes 1.77x after spraying (1,108 vs 626 ms), an open problem; the bound
-    // guards against it getting worse (before the 5 s limit it did not finish within 1 s at all).
+    // were acknowledged; when the way back of its one good entropy crossed the dead spine its SACKs
+    // vanished and its tail-loss probes went the same dead way: 1,108 ms against spraying's 626.
+    // Probes now go on a path with nothing in flight (640 vs 627 ms); every policy within 1.25x of
+    // its fault-free run (1.20-1.23x; the black hole halves leaf 0's uplinks for the last 40 %).
     let r = ci("rail-blackhole");
     let seed = r.runs[0].seed;
     let (reps, spray) = (cct(&r, "reps", true), cct(&r, "spray", true));
-    assert!(reps < 2.0 * spray, "seed {seed}: REPS {reps} µs vs spraying {spray} µs under the black hole");
-    for p in ["pro", "spray", "dr"] {
+    assert!(reps < 1.1 * spray, "seed {seed}: REPS {reps} µs vs spraying {spray} µs under the black hole");
+    for p in ["reps", "pro", "spray", "dr"] {
         let (ok, bad) = (cct(&r, p, false), cct(&r, p, true));
-        assert!(bad < 1.5 * ok, "seed {seed}: {p} {bad} µs under the black hole vs {ok} µs without");
+        assert!(bad < 1.3 * ok, "seed {seed}: {p} {bad} µs under the black hole vs {ok} µs without");
     }
 }
 

@@ -1260,3 +1260,82 @@ fn a_window_cut_below_what_is_in_flight_during_an_outage_does_not_hold_the_probe
         assert!(took < 20_000, "the rest took {took} µs after the link came back: the probe waited for an RTO");
     });
 }
+
+#[test]
+fn a_window_queued_behind_a_slow_nic_does_not_time_out_while_acknowledgements_keep_coming() {
+    // A window that takes far longer than the RTO floor to leave the sender's NIC (a connection's
+    // first bursts, all connections of a host at once, on the rail fabric): the acknowledgements of
+    // the packets ahead keep coming, none for a packet sent after the waiting ones, so their timers
+    // restart instead of firing (RFC 6298 5.3). Before, every packet further back than an RTO timed
+    // out, was resent and blamed its path.
+    seeded(11, |seed| {
+        let cfg = ProtoConfig { n_paths: 128, window_pkts: 128, rto_min_us: 1_000, rto_initial_us: 1_000, ..ProtoConfig::default() };
+        let mut sim = Sim::new(seed, &cfg, [Link::default(), Link::default()]);
+        // 0.1 byte per ns (100 MB/s): a window of 128 packets of 8 KiB drains in about 10 ms.
+        sim.nic_decibytes_per_ns = 1;
+        let groups: Vec<Vec<Msg>> = (0..4).map(|i| vec![m(4 * MIB, 4 * MIB, i)]).collect();
+        let posted = post(&mut sim, &groups);
+        sim.run_until(60_000_000, |s| all_done(s, &posted));
+        verify(&sim, &posted);
+        let st = sim.stats(A);
+        let max_rtt = st.paths.iter().map(|p| p.rtt_max_us).max().unwrap_or(0);
+        eprintln!(
+            "largest RTT {max_rtt} µs (RTO floor {} µs): timeouts {}, retransmissions {}",
+            cfg.rto_min_us, st.timeouts, st.retransmissions
+        );
+        assert!(max_rtt > 5 * cfg.rto_min_us, "the queue ({max_rtt} µs) must dwarf the RTO floor for this test to test anything");
+        assert_eq!(st.timeouts, 0, "packets waiting in a draining queue timed out");
+        assert_eq!(st.retransmissions, 0, "nothing was lost, yet packets were resent");
+        assert!(st.paths.iter().all(|p| p.state == PathHealth::Alive), "a path was blamed for its place in the queue");
+    });
+}
+
+#[test]
+fn a_failure_while_an_earlier_one_lingers_is_dated_anew() {
+    // One path is dead from the start, so a failure episode begins at once and never ends (its
+    // probes go unanswered). Later half the paths fail at once (a spine). The old episode's start
+    // proves every path that delivered anything since, the newly failed ones too; when one of them
+    // goes bad the episode is dated from the new failure, so within a bounded time no new DATA goes
+    // into any of them. Before, each was found one loss at a time while the rest kept getting DATA.
+    seeded(5, |seed| {
+        let cfg = ProtoConfig { n_paths: 1024, ..ProtoConfig::default() };
+        let holes: Vec<u16> = (0..cfg.n_paths).filter(|e| e % 2 == 1).collect();
+        const T: Micros = 8_000;
+        let l = Link { dead: vec![2], holes: (holes.clone(), T), ..Link::default() };
+        let mut sim = Sim::new(seed, &cfg, [l.clone(), l]);
+        let groups: Vec<Vec<Msg>> = (0..48).map(|i| vec![m(8 * MIB, 8 * MIB, i)]).collect();
+        let posted = post(&mut sim, &groups);
+        let mut old_episode = false;
+        sim.run_until(60_000_000, |s| {
+            if s.now < T && s.stats(A).paths[2].state != PathHealth::Alive {
+                old_episode = true;
+            }
+            all_done(s, &posted)
+        });
+        verify(&sim, &posted);
+        assert!(old_episode, "the path dead from the start was not found before the later failure");
+        assert_ne!(sim.stats(A).paths[2].state, PathHealth::Alive, "the path dead from the start came back: no lingering episode");
+        let settle = T + 3 * cfg.rto_min_us;
+        let finish = sim.ends.iter().flat_map(|e| e.done.iter().map(|(t, _)| *t)).max().expect("completions");
+        assert!(finish > settle + 5_000, "the transfer (done at {finish} µs) must outlast the settle time {settle} µs");
+        let into_holes = |from: usize, after: Micros| {
+            sim.wire_log
+                .iter()
+                .filter(|w| w.from == from && w.ptype == Some(PacketType::Data) && w.at >= after && holes.contains(&w.entropy))
+                .count()
+        };
+        let sent_after = sim.wire_log.iter().filter(|w| w.from == A && w.ptype == Some(PacketType::Data) && w.at >= settle).count();
+        eprintln!(
+            "DATA into the failed paths: {} from the failure on, {} from an RTO floor after it, {} after {settle} µs; {sent_after} DATA packets after it",
+            into_holes(A, T),
+            into_holes(A, T + cfg.rto_min_us),
+            into_holes(A, settle)
+        );
+        assert!(sent_after > 1000, "only {sent_after} DATA packets after the settle time: the test moved too little");
+        assert!(into_holes(A, T) > 0, "the failed paths swallowed no DATA at all: the test did not test anything");
+        // Seeds 5-7: 15-35 packets into the failed paths, none an RTO floor after the failure (found
+        // one at a time under the old episode: 375-396, and 3-4 after an RTO floor).
+        assert!(into_holes(A, T) < 100, "{} DATA packets went into the failed paths", into_holes(A, T));
+        assert_eq!(into_holes(A, T + cfg.rto_min_us), 0, "DATA still went into the failed paths an RTO floor after the failure");
+    });
+}

@@ -245,18 +245,25 @@ def cmd_run(a) -> int:
                 for p in f.policies:
                     run(wl_by[f.workload], pol_by[p])  # its baseline, if the matrix did not include it
                     run(wl_by[f.workload], pol_by[p], f)
-            # A fault check that failed only on its CCT ratio (every byte verified) gets one more try: its
-            # baseline and its fault run again, back to back, because one descheduled rank on a loaded
-            # 2-core machine stretches a single run. The first attempt stays in summary.json
-            # (`superseded_runs`); the check judges the second and says so.
+            # A fault check that failed only on its CCT ratio (every byte verified), or a recovery check
+            # that failed on its time, gets one more try: its baseline and its fault run again, back to
+            # back, because one descheduled rank on a loaded 2-core machine stretches a single run. The
+            # first attempt stays in summary.json (`superseded_runs`); the checks judge the second and
+            # say so.
             superseded = []
+            retried = set()
             for c in checks_mod.evaluate(scn, runs):
-                if not (c.name.startswith("fault.") and not c.ok and c.data.get("data_ok")):
+                ratio_miss = c.name.startswith("fault.") and not c.ok and c.data.get("data_ok")
+                recovery_miss = c.name.startswith("recovery.") and not c.ok
+                if not (ratio_miss or recovery_miss):
                     continue
-                fname, p = c.name[len("fault."):].rsplit(".", 1)
+                fname, p = c.name.split(".", 1)[1].rsplit(".", 1)
+                if (fname, p) in retried:
+                    continue
+                retried.add((fname, p))
                 f = next(x for x in scn.faults if x.name == fname)
-                log.info("%s failed on its CCT ratio (%s): running its baseline and fault run once more", c.name,
-                         c.data.get("ratio"))
+                log.info("%s failed (%s): running its baseline and fault run once more", c.name,
+                         f"CCT ratio {c.data.get('ratio')}" if ratio_miss else c.detail)
                 old = [r for r in runs if r["workload"]["name"] == f.workload and r["policy"]["name"] == p
                        and (r.get("fault") or {}).get("name") in (None, fname)]
                 runs[:] = [r for r in runs if not any(r is o for o in old)]
@@ -264,10 +271,9 @@ def cmd_run(a) -> int:
                 run(wl_by[f.workload], pol_by[p], again=True)
                 run(wl_by[f.workload], pol_by[p], f, again=True)
             for c in checks_mod.evaluate(scn, runs):
-                if superseded and c.name.startswith("fault.") and any(
-                        r["policy"]["name"] == c.name.rsplit(".", 1)[1] and (r.get("fault") or {}).get("name")
-                        == c.name[len("fault."):].rsplit(".", 1)[0] for r in superseded):
-                    c.detail += " (second attempt: the first failed on the ratio)"
+                if superseded and c.name.startswith(("fault.", "recovery.")) and tuple(
+                        c.name.split(".", 1)[1].rsplit(".", 1)) in retried:
+                    c.detail += " (second attempt: the first failed)"
                 all_checks.append(c)
             meta["superseded_runs"] = [{k: v for k, v in r.items() if k != "timeline"} for r in superseded]
         rc = 0 if all_checks and all(c.ok for c in all_checks) else 1

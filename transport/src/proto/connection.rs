@@ -308,7 +308,7 @@ impl Connection {
                 if rtt <= i32::MAX as u32 {
                     self.ctl_rtt.sample(u64::from(rtt));
                 }
-                self.paths.pong(c.entropy, now, &mut self.stats.paths);
+                self.paths.pong(c.entropy, c.ts_us, now, &mut self.stats.paths);
             }
             ControlKind::Close => {
                 tracing::debug!(peer = self.peer_token, "peer closed the connection");
@@ -372,13 +372,19 @@ impl Connection {
     /// idle connection has no use for paths.
     fn path_timer_deadline(&self) -> Option<Micros> {
         self.work_since?;
-        self.paths.timer_deadline(self.ctl_rtt.rto_us())
+        [self.paths.timer_deadline(self.ctl_rtt.rto_us()), self.paths.explore_deadline()].into_iter().flatten().min()
     }
 
     fn on_path_timers(&mut self, now: Micros) {
         if self.work_since.is_some() {
             self.paths.on_timers(now, self.ctl_rtt.rto_us(), self.last_heard, &mut self.stats.paths);
+            self.paths.schedule_explore(now, self.explore_pace());
         }
+    }
+
+    /// Exploring PINGs during a failure episode: about sixteen per round trip while wanted.
+    fn explore_pace(&self) -> Micros {
+        self.ctl_rtt.srtt_us().unwrap_or(self.cfg.rto_min_us) / 16
     }
 
     /// Run every timer that expired by `now` (retransmission, delayed SACK, CTS, keepalive, path
@@ -472,6 +478,12 @@ impl Connection {
         }
         if self.paths.probe_pending() && out.len() >= crate::wire::CONTROL_LEN {
             if let Some(e) = self.paths.next_probe(now, &mut self.stats.paths) {
+                return self.emit_control(ControlKind::Ping, Some((e, e, now as u32)), out);
+            }
+        }
+        if self.work_since.is_some() && out.len() >= crate::wire::CONTROL_LEN {
+            self.paths.schedule_explore(now, self.explore_pace());
+            if let Some(e) = self.paths.next_explore(now, &mut self.stats.paths) {
                 return self.emit_control(ControlKind::Ping, Some((e, e, now as u32)), out);
             }
         }

@@ -67,6 +67,12 @@ pub(crate) struct Path {
     /// Send time of the latest transmission on this path known to have arrived (or of the probe that
     /// revived it): during a failure episode only paths proven after its start carry new packets.
     pub(crate) last_ok_sent_at: Option<Micros>,
+    /// When an exploring PING last went out on this alive path during a failure episode (see
+    /// `Paths::next_explore`); its PONG proves the path.
+    pub(crate) explored_at: Option<Micros>,
+    /// The connection's RTO when a packet last left on this path: the path's own RTO never goes
+    /// below it (see `rto_us`).
+    pub(crate) rto_floor_us: Micros,
 }
 
 impl Path {
@@ -90,6 +96,8 @@ impl Path {
             max_rtt_since_timeout_us: 0,
             base_rtt_us: None,
             last_ok_sent_at: None,
+            explored_at: None,
+            rto_floor_us: 0,
         }
     }
 
@@ -118,6 +126,16 @@ impl Path {
 
     /// When this path's oldest packet in flight times out.
     pub(crate) fn rto_deadline(&self) -> Option<Micros> {
-        self.queue.front().map(|f| f.sent_at.max(self.rto_fired_at).saturating_add(self.rtt.rto_us()))
+        self.queue.front().map(|f| f.sent_at.max(self.rto_fired_at).saturating_add(self.rto_us()))
+    }
+
+    /// The path's retransmission timeout: its own estimate (backoff included), but not below the
+    /// connection's. Sprayed paths share their hosts' queues, and a path sampled a few times lately
+    /// has too little spread in its samples for its own estimate to cover the queue's swings (on the
+    /// rail fabric every timeout of a fault-free run was spurious: 150 to 200 per run); the
+    /// connection sees every path's samples. Black holes are found by the time-based rule and by
+    /// exploring, not by this timer.
+    pub(crate) fn rto_us(&self) -> Micros {
+        self.rtt.rto_us().max(self.rto_floor_us)
     }
 }

@@ -40,6 +40,12 @@ const LOSS_RUN_DEAD: u32 = 2;
 /// too (explored), so the connection never squeezes itself onto one or two paths.
 const MIN_PROVEN_PATHS: usize = 4;
 
+/// During a failure episode, alive paths proven since it began that a connection wants: while it
+/// has fewer, it explores unproven ones with PINGs (see `Paths::next_explore`). (Exploring every
+/// path instead made things worse in the simulator's rail black hole: CCT 629 -> 699 ms, three
+/// times the timeouts, the PONGs' small-packet RTT samples pulling the connection's RTO down.)
+const EXPLORE_TARGET: usize = 2 * MIN_PROVEN_PATHS;
+
 /// Probes of a suspect path that must go unanswered (each for a probe wait) before it is dead: one
 /// lost PING or PONG under random loss does not kill a path.
 const SUSPECT_PROBES: u32 = 2;
@@ -52,6 +58,9 @@ const FIRST_REVIVE_RTOS: u64 = 4;
 pub(crate) enum Fitness {
     /// Alive and, during a failure episode, proven since it began.
     Good,
+    /// Good, but during a failure episode its oldest packet in flight is later than the latest
+    /// round trip allows (see `Connection::fitness_now`): perhaps behind the failure.
+    Doubtful,
     /// Alive but not proven during the episode.
     Unproven,
     /// Suspect: lost something recently.
@@ -78,6 +87,12 @@ pub(crate) struct Paths {
     probes_due: VecDeque<u16>,
     /// Dead-path probes are paced per connection: the next one not before this.
     next_probe_at: Micros,
+    /// Exploring PINGs are paced per connection: the next one not before this.
+    next_explore_at: Micros,
+    /// Where the search for the next path to explore starts.
+    explore_cursor: u16,
+    /// The path whose exploring PING should go out next.
+    explore_due: Option<u16>,
     ctl_rr: u16,
     path_dead_after: u32,
     path_revive_us: u64,
@@ -96,6 +111,9 @@ impl Paths {
             blamed_sent_at: None,
             probes_due: VecDeque::new(),
             next_probe_at: 0,
+            next_explore_at: 0,
+            explore_cursor: 0,
+            explore_due: None,
             ctl_rr: 0,
             path_dead_after,
             path_revive_us,
@@ -131,12 +149,28 @@ impl Paths {
         self.deadlines.earliest(&self.list)
     }
 
-    /// The start of the failure episode, if one is going on and enough paths were proven since then
-    /// for new packets to keep to them.
+    /// While a failure episode is going on, the time a path must have been proven since to carry new
+    /// packets: the episode's start once enough paths were proven since then; until then the time
+    /// that admits the `MIN_PROVEN_PATHS` alive paths proven most recently (the freshest evidence
+    /// there is), so new packets neither squeeze onto one or two paths nor spread over every path
+    /// again, half of them behind the failure. None without an episode (or without such paths).
     pub(crate) fn episode(&self) -> Option<Micros> {
         let since = self.episode_since?;
-        let proven = self.list.iter().filter(|p| p.alive() && p.proven_since(since)).take(MIN_PROVEN_PATHS).count();
-        (proven >= MIN_PROVEN_PATHS).then_some(since)
+        // The MIN_PROVEN_PATHS latest proofs of alive paths, newest first.
+        let mut top = [0 as Micros; MIN_PROVEN_PATHS];
+        let mut n = 0;
+        for t in self.list.iter().filter(|p| p.alive()).filter_map(|p| p.last_ok_sent_at) {
+            if n < MIN_PROVEN_PATHS {
+                top[n] = t;
+                n += 1;
+            } else if t > top[n - 1] {
+                top[n - 1] = t;
+            } else {
+                continue;
+            }
+            top[..n].sort_unstable_by(|a, b| b.cmp(a));
+        }
+        (n == MIN_PROVEN_PATHS).then(|| since.min(top[n - 1]))
     }
 
     /// The start of the failure episode going on, however few paths were proven since: a
@@ -153,6 +187,17 @@ impl Paths {
             PathHealth::Alive if p.proven_in(episode) => Fitness::Good,
             PathHealth::Alive => Fitness::Unproven,
         }
+    }
+
+    /// The alive path (other than `avoid`) proven most recently, if any was.
+    pub(crate) fn freshest(&self, avoid: Option<u16>) -> Option<u16> {
+        self.list
+            .iter()
+            .enumerate()
+            .filter(|&(e, p)| Some(e as u16) != avoid && p.alive())
+            .filter_map(|(e, p)| p.last_ok_sent_at.map(|t| (t, e as u16)))
+            .max_by_key(|&(t, _)| t)
+            .map(|(_, e)| e)
     }
 
     /// Whether any path is not alive (then picks must be checked).
@@ -269,9 +314,17 @@ impl Paths {
         }
     }
 
-    /// A PONG answered a probe on `e`: it works.
-    pub(crate) fn pong(&mut self, e: u16, now: Micros, ps: &mut [PathStats]) {
+    /// A PONG echoing `ts` (the PING's timestamp, low 32 bits of its send time) answered a PING on
+    /// `e`: it works. An exploring PING's answer proves the path from the PING's send time on.
+    pub(crate) fn pong(&mut self, e: u16, ts: u32, now: Micros, ps: &mut [PathStats]) {
         let Some(p) = self.list.get_mut(e as usize) else { return };
+        if let Some(at) = p.explored_at.filter(|&at| at as u32 == ts) {
+            p.explored_at = None;
+            if p.health == PathHealth::Alive {
+                p.last_ok_sent_at = Some(p.last_ok_sent_at.map_or(at, |t| t.max(at)));
+                return;
+            }
+        }
         let Probe::Sent(at) = p.probe else { return };
         p.consecutive_timeouts = 0;
         p.consecutive_losses = 0;
@@ -280,6 +333,20 @@ impl Paths {
         p.revive_wait = 0;
         p.last_ok_sent_at = Some(p.last_ok_sent_at.map_or(at, |t| t.max(at)));
         self.set_health(e, PathHealth::Alive, now, ps);
+    }
+
+    /// A path went bad whose failure began when a packet sent at `since` left. The first starts the
+    /// failure episode. A path that had been proven during the episode going bad means a failure
+    /// newer than the episode's start: the proof of every path that delivered before `since` is
+    /// stale (a spine that fails while an earlier episode lingers, a congestion loss's dead path
+    /// not yet revived, takes paths that worked after that episode began), so the episode is dated
+    /// from the newer failure.
+    fn date_episode(&mut self, since: Micros, was_proven: bool) {
+        match self.episode_since {
+            None => self.episode_since = Some(since),
+            Some(t) if was_proven && since > t => self.episode_since = Some(since),
+            Some(_) => {}
+        }
     }
 
     /// Move a path to a new health state, telling the policy when it dies or comes back.
@@ -307,7 +374,9 @@ impl Paths {
                 // The failure had begun when the packet whose loss revealed it was sent: a path that
                 // delivered a packet sent after that works. (Without such a loss, an RTO before now.)
                 let since = self.blamed_sent_at.take().unwrap_or(now.saturating_sub(p.rtt.rto_us()));
-                self.episode_since.get_or_insert(since);
+                let was_proven = was == PathHealth::Alive && self.episode_since.is_some_and(|t| p.proven_since(t));
+                self.date_episode(since, was_proven);
+                let p = &mut self.list[e as usize];
                 p.bad_since = now;
                 if !matches!(p.probe, Probe::Sent(_)) {
                     p.probe = Probe::Idle;
@@ -323,7 +392,9 @@ impl Paths {
                 // must not date a later failure; from then on every path that delivered anything
                 // looked proven, dead ones included.)
                 let since = self.blamed_sent_at.take().unwrap_or(now.saturating_sub(p.rtt.rto_us()));
-                self.episode_since.get_or_insert(since);
+                let was_proven = was == PathHealth::Alive && self.episode_since.is_some_and(|t| p.proven_since(t));
+                self.date_episode(since, was_proven);
+                let p = &mut self.list[e as usize];
                 p.bad_since = now;
                 p.probe_failures = 0;
                 if p.probe == Probe::Idle {
@@ -359,6 +430,54 @@ impl Paths {
             }
         }
         None
+    }
+
+    /// The next alive path to explore, if the connection should: a failure episode is going on,
+    /// fewer than `EXPLORE_TARGET` alive paths were proven since it began, and some alive path was
+    /// neither proven nor explored since then.
+    fn explore_candidate(&self) -> Option<u16> {
+        let since = self.episode_since?;
+        if self.list.iter().filter(|p| p.alive() && p.proven_since(since)).take(EXPLORE_TARGET).count() >= EXPLORE_TARGET {
+            return None;
+        }
+        let n = self.len();
+        (0..n).map(|k| (self.explore_cursor + k) % n).find(|&e| {
+            let p = &self.list[e as usize];
+            p.alive() && !p.proven_since(since) && p.explored_at.is_none_or(|t| t < since)
+        })
+    }
+
+    /// During a failure episode, queue the next alive path to explore with a PING, one per `pace`:
+    /// new packets keep to proven paths (or, until there are enough, to those proven last), and only
+    /// a PING finds out whether an unproven one works without losing data on it when it does not
+    /// (half of them, behind a failed spine). Each path is explored once per episode start; its
+    /// PONG proves it (`pong`).
+    pub(crate) fn schedule_explore(&mut self, now: Micros, pace: Micros) {
+        if now < self.next_explore_at || self.explore_due.is_some() {
+            return;
+        }
+        if let Some(e) = self.explore_candidate() {
+            self.explore_cursor = (e + 1) % self.len();
+            self.explore_due = Some(e);
+            self.next_explore_at = now.saturating_add(pace);
+        }
+    }
+
+    /// The exploring PING to send now, if one is queued (`schedule_explore`).
+    pub(crate) fn next_explore(&mut self, now: Micros, ps: &mut [PathStats]) -> Option<u16> {
+        let e = self.explore_due.take()?;
+        self.list[e as usize].explored_at = Some(now);
+        ps[e as usize].probes_sent += 1;
+        Some(e)
+    }
+
+    /// When the next exploring PING should be queued, if there is one to send and none is waiting
+    /// to go out.
+    pub(crate) fn explore_deadline(&self) -> Option<Micros> {
+        if self.explore_due.is_some() {
+            return None;
+        }
+        self.explore_candidate().map(|_| self.next_explore_at)
     }
 
     /// Probes not yet sent.

@@ -141,6 +141,8 @@ pub(crate) struct TxState {
     /// Probes sent since the last acknowledgement.
     pub(crate) tlp_count: u32,
     pub(crate) tlp_due: bool,
+    /// The packet being put on a path now is a tail-loss probe (see `Connection::pick_path`).
+    pub(crate) probe_pick: bool,
     /// The last DATA packet sent was a message's last: the receiver acknowledges it at once.
     pub(crate) tail_last: bool,
     /// Transmission sequence number of the last tail-loss probe.
@@ -164,6 +166,8 @@ pub(crate) struct TxState {
     /// While no RTT is known: when the connection's RTO was last backed off (a timeout of a packet
     /// sent before that is part of the same round and does not back it off again).
     pub(crate) unsampled_backoff_at: Option<Micros>,
+    /// When a SACK last acknowledged a packet not acknowledged before.
+    pub(crate) last_new_ack_at: Micros,
 }
 
 impl TxState {
@@ -198,6 +202,7 @@ impl TxState {
             tlp_base: 0,
             tlp_count: 0,
             tlp_due: false,
+            probe_pick: false,
             tail_last: false,
             tlp_tx_seq: None,
             stalled: false,
@@ -213,6 +218,7 @@ impl TxState {
             ack_pending: false,
             reorder_threshold,
             unsampled_backoff_at: None,
+            last_new_ack_at: 0,
         }
     }
 

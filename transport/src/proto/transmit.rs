@@ -15,12 +15,19 @@ impl Connection {
     /// The next DATA packet (the tail-loss probe, a retransmission, then new data within the window).
     pub(super) fn poll_data(&mut self, now: Micros, src: &mut dyn PayloadSource, out: &mut [u8]) -> Option<Transmit> {
         let probe = std::mem::take(&mut self.tx.tlp_due);
+        self.tx.probe_pick = probe;
+        let t = self.poll_data_inner(probe, now, src, out);
+        self.tx.probe_pick = false;
+        t
+    }
+
+    fn poll_data_inner(&mut self, probe: bool, now: Micros, src: &mut dyn PayloadSource, out: &mut [u8]) -> Option<Transmit> {
         if probe && !self.tx.has_retransmission() {
             let window_full = self.tx.next_psn() - self.tx.snd_una >= OOO_WINDOW_PKTS;
             if window_full || !self.max_new_payload(out.len()).is_some_and(|m| self.next_new_due(now, m)) {
                 // No new data to probe with: send the newest packet in flight again.
                 if let Some(psn) = self.tx.newest_in_flight() {
-                    self.declare_lost(psn, now, LossCause::Probe);
+                    self.declare_lost(psn, now, LossCause::Probe, now);
                 }
             } else if let Some(t) = self.poll_new_data(now, src, out) {
                 self.tx.tlp_tx_seq = Some(self.tx.next_tx_seq - 1);
@@ -144,6 +151,7 @@ impl Connection {
         let ctl_rtt = &self.ctl_rtt;
         let path = self.paths.get_mut(entropy);
         path.rtt.inherit_initial(ctl_rtt);
+        path.rto_floor_us = ctl_rtt.rto_us();
         path.queue.push_back(TxEntry { tx_seq, psn, sent_at: now });
         path.in_flight += 1;
         self.tx.tx_order.push_back((tx_seq, psn));
@@ -174,12 +182,36 @@ impl Connection {
             return first;
         }
         let episode = if retransmit { self.paths.episode_start() } else { self.paths.episode() };
+        if std::mem::take(&mut self.tx.probe_pick) {
+            // A tail-loss probe goes out because nothing was heard for a while: when the paths the
+            // packets in flight took all failed (a policy that keeps to a few paths, all behind a
+            // failed link) another copy on one of them tells nothing. It goes on a fit path with
+            // nothing in flight, nearest after the policy's choice, so successive probes try
+            // different paths and the first that gets through reveals the losses.
+            if let Some(e) = (0..n)
+                .map(|k| (first + k) % n)
+                .find(|&e| Some(e) != avoid && self.paths.get(e).in_flight == 0 && self.paths.fitness(e, episode) == Fitness::Good)
+            {
+                return e;
+            }
+        }
+        if retransmit && episode.is_some() {
+            // A retransmission during a failure episode must not be lost again: it goes on the path
+            // proven most recently (the freshest evidence that a path works). A path proven only
+            // shortly after the episode's start may have failed a moment later (the start is the
+            // lost packet's send time; packets sent after it still crossed before the failure),
+            // and the policy's nearest proven path absorbed retransmission after retransmission
+            // until its own losses showed.
+            if let Some(e) = self.paths.freshest(avoid) {
+                return e;
+            }
+        }
         let checked = self.paths.any_bad() || episode.is_some();
-        if Some(first) != avoid && (!checked || self.paths.fitness(first, episode) == Fitness::Good) {
+        if Some(first) != avoid && (!checked || self.fitness_now(first, episode, now) == Fitness::Good) {
             return first;
         }
         let second = self.policy.pick(&PathCtx { avoid: Some(first), ..ctx }) % n;
-        if Some(second) != avoid && self.paths.fitness(second, episode) == Fitness::Good {
+        if Some(second) != avoid && self.fitness_now(second, episode, now) == Fitness::Good {
             return second;
         }
         // The fittest path, nearest after the policy's first choice; never the lost copy's.
@@ -188,7 +220,7 @@ impl Connection {
             if Some(e) == avoid {
                 continue;
             }
-            let f = self.paths.fitness(e, episode);
+            let f = self.fitness_now(e, episode, now);
             if f == Fitness::Good {
                 return e;
             }
@@ -197,6 +229,26 @@ impl Connection {
             }
         }
         best.map_or(first, |(_, e)| e)
+    }
+
+    /// How fit path `e` is for a packet now. During a failure episode a proven path whose oldest
+    /// packet in flight left longer ago than the latest round trip (RACK's reference RTT or the
+    /// path's own, whichever is larger, and a quarter more) is only doubtful: the episode dates from
+    /// the lost packet's send time, packets sent after it still crossed the failing link before it
+    /// failed, and such a path, proven but behind the failure, otherwise took new packets (a policy
+    /// that keeps to its paths, PRO, several) until its first loss was found, a reordering window
+    /// later. Nothing is declared: the path is only passed over while better ones exist.
+    fn fitness_now(&self, e: u16, episode: Option<Micros>, now: Micros) -> Fitness {
+        let f = self.paths.fitness(e, episode);
+        if f != Fitness::Good || episode.is_none() {
+            return f;
+        }
+        let path = self.paths.get(e);
+        let rtt = self.tx.rack_rtt_us.max(path.delivered_rtt_us);
+        match path.queue.front() {
+            Some(oldest) if oldest.sent_at.saturating_add(rtt + rtt / 4) < now => Fitness::Doubtful,
+            _ => f,
+        }
     }
 
     /// Whether new packets would go on path `entropy` now: it is alive and, during a failure episode
