@@ -33,8 +33,9 @@ pub(crate) struct Path {
     /// resent are removed lazily, but the front is always a packet still in flight on this path, so it
     /// is the one whose RTO expires first.
     pub(crate) queue: VecDeque<TxEntry>,
-    /// When its RTO last fired: the next one is an RTO after the later of this and the send time of
-    /// its oldest packet in flight (a timeout during a stall leaves the packets in flight).
+    /// When its RTO last fired or restarted: the next one is an RTO after the later of this and the
+    /// send time of its oldest packet in flight (a timeout during a stall leaves the packets in
+    /// flight; a timer restarts while acknowledgements of packets sent before that one keep coming).
     pub(crate) rto_fired_at: Micros,
     pub(crate) health: PathHealth,
     pub(crate) consecutive_timeouts: u32,

@@ -365,18 +365,23 @@ impl Paths {
             PathHealth::Suspect => self.suspect += 1,
             PathHealth::Alive => {}
         }
+        if health != PathHealth::Alive {
+            // The failure had begun when the packet whose loss revealed it was sent: a path that
+            // delivered a packet sent after that works. (Without such a loss, an RTO before now.)
+            // (Taken: a packet blamed long ago, whose loss changed no state, must not date a later
+            // failure; from then on every path that delivered anything looked proven, dead ones
+            // included.)
+            let p = &self.list[e as usize];
+            let since = self.blamed_sent_at.take().unwrap_or(now.saturating_sub(p.rtt.rto_us()));
+            let was_proven = was == PathHealth::Alive && self.episode_since.is_some_and(|t| p.proven_since(t));
+            self.date_episode(since, was_proven);
+        }
         let p = &mut self.list[e as usize];
         p.health = health;
         ps[e as usize].state = health;
         ps[e as usize].state_changes += 1;
         match health {
             PathHealth::Dead => {
-                // The failure had begun when the packet whose loss revealed it was sent: a path that
-                // delivered a packet sent after that works. (Without such a loss, an RTO before now.)
-                let since = self.blamed_sent_at.take().unwrap_or(now.saturating_sub(p.rtt.rto_us()));
-                let was_proven = was == PathHealth::Alive && self.episode_since.is_some_and(|t| p.proven_since(t));
-                self.date_episode(since, was_proven);
-                let p = &mut self.list[e as usize];
                 p.bad_since = now;
                 if !matches!(p.probe, Probe::Sent(_)) {
                     p.probe = Probe::Idle;
@@ -387,14 +392,7 @@ impl Paths {
             PathHealth::Suspect => {
                 // A failing spine takes many entropies at once and a spraying connection finds each
                 // only by losing a packet on it: from the first suspicion on, new packets keep to paths
-                // proven since (shortly before) it.
-                // (Taken, like the dead case: a packet blamed long ago, whose loss changed no state,
-                // must not date a later failure; from then on every path that delivered anything
-                // looked proven, dead ones included.)
-                let since = self.blamed_sent_at.take().unwrap_or(now.saturating_sub(p.rtt.rto_us()));
-                let was_proven = was == PathHealth::Alive && self.episode_since.is_some_and(|t| p.proven_since(t));
-                self.date_episode(since, was_proven);
-                let p = &mut self.list[e as usize];
+                // proven since (shortly before) it (`date_episode` above).
                 p.bad_since = now;
                 p.probe_failures = 0;
                 if p.probe == Probe::Idle {
