@@ -93,6 +93,10 @@ pub(crate) struct Paths {
     explore_cursor: u16,
     /// The path whose exploring PING should go out next.
     explore_due: Option<u16>,
+    /// Whether a path may be waiting to be explored: cleared when a search found none, set by every
+    /// health change (the only way a candidate can appear: an episode starting or dated anew, a path
+    /// coming back or a proven one going bad), so the hot path does not search every path in vain.
+    explore_wanted: bool,
     ctl_rr: u16,
     path_dead_after: u32,
     path_revive_us: u64,
@@ -114,6 +118,7 @@ impl Paths {
             next_explore_at: 0,
             explore_cursor: 0,
             explore_due: None,
+            explore_wanted: false,
             ctl_rr: 0,
             path_dead_after,
             path_revive_us,
@@ -355,6 +360,7 @@ impl Paths {
         if was == health {
             return;
         }
+        self.explore_wanted = true;
         match was {
             PathHealth::Dead => self.dead -= 1,
             PathHealth::Suspect => self.suspect -= 1,
@@ -451,13 +457,16 @@ impl Paths {
     /// (half of them, behind a failed spine). Each path is explored once per episode start; its
     /// PONG proves it (`pong`).
     pub(crate) fn schedule_explore(&mut self, now: Micros, pace: Micros) {
-        if now < self.next_explore_at || self.explore_due.is_some() {
+        if !self.explore_wanted || now < self.next_explore_at || self.explore_due.is_some() {
             return;
         }
-        if let Some(e) = self.explore_candidate() {
-            self.explore_cursor = (e + 1) % self.len();
-            self.explore_due = Some(e);
-            self.next_explore_at = now.saturating_add(pace);
+        match self.explore_candidate() {
+            Some(e) => {
+                self.explore_cursor = (e + 1) % self.len();
+                self.explore_due = Some(e);
+                self.next_explore_at = now.saturating_add(pace);
+            }
+            None => self.explore_wanted = false,
         }
     }
 
@@ -472,7 +481,7 @@ impl Paths {
     /// When the next exploring PING should be queued, if there is one to send and none is waiting
     /// to go out.
     pub(crate) fn explore_deadline(&self) -> Option<Micros> {
-        if self.explore_due.is_some() {
+        if !self.explore_wanted || self.explore_due.is_some() {
             return None;
         }
         self.explore_candidate().map(|_| self.next_explore_at)
