@@ -509,24 +509,40 @@ impl UdpRail {
     }
 
     /// Datagrams the kernel dropped on the send-only sockets (the drop-all filter, or a full buffer
-    /// where the filter could not be attached), from the `drops` column of `/proc/net/udp` (this
-    /// network namespace's sockets; an address and port name one socket). `None` without procfs.
-    /// Reads a file: for statistics, not for the data path.
+    /// where the filter could not be attached), from the `drops` column of `/proc/net/udp`. `None`
+    /// without procfs. Reads a file: for statistics, not for the data path.
+    ///
+    /// The kernel produces that table a page per `read`, finding each page again by its line number:
+    /// a socket another thread opens or closes between two reads shifts the lines after it, which then
+    /// appear twice or not at all (a test counted 50 drops as 100 while other tests churned sockets).
+    /// So a line counts once, matched by the socket's inode, and the table is re-read (at most 8
+    /// times) until every send-only socket of the rail has been seen.
     pub fn send_only_drops(&self) -> Option<u64> {
-        let table = std::fs::read_to_string("/proc/net/udp").ok()?;
-        // procfs prints the address as the u32 in memory, in hex.
-        let addr = format!("{:08X}", u32::from_ne_bytes(self.addr.octets()));
-        let mut total = 0u64;
-        for line in table.lines().skip(1) {
-            let f: Vec<&str> = line.split_whitespace().collect();
-            let (Some(local), Some(drops)) = (f.get(1), f.last()) else { continue };
-            let Some((a, p)) = local.split_once(':') else { continue };
-            let Ok(port) = u16::from_str_radix(p, 16) else { continue };
-            if a.eq_ignore_ascii_case(&addr) && self.ports[1..].contains(&port) {
-                total += drops.parse::<u64>().unwrap_or(0);
+        use std::os::unix::fs::MetadataExt;
+        let inodes: Vec<u64> = self.socks[1..]
+            .iter()
+            .map(|s| std::fs::metadata(format!("/proc/self/fd/{}", s.as_raw_fd())).map(|m| m.ino()))
+            .collect::<io::Result<_>>()
+            .ok()?;
+        let mut drops: Vec<Option<u64>> = vec![None; inodes.len()];
+        for _ in 0..8 {
+            let table = std::fs::read_to_string("/proc/self/net/udp").ok()?;
+            for line in table.lines().skip(1) {
+                // sl local rem st tx:rx tr:when retrnsmt uid timeout inode ref pointer drops
+                let f: Vec<&str> = line.split_whitespace().collect();
+                let (Some(ino), Some(d)) = (f.get(9).and_then(|s| s.parse::<u64>().ok()), f.get(12).and_then(|s| s.parse::<u64>().ok()))
+                else {
+                    continue;
+                };
+                if let Some(k) = inodes.iter().position(|&i| i == ino) {
+                    drops[k] = Some(drops[k].map_or(d, |seen| seen.max(d)));
+                }
+            }
+            if drops.iter().all(Option::is_some) {
+                break;
             }
         }
-        Some(total)
+        Some(drops.iter().flatten().sum())
     }
 
     /// Number of sockets (entropies).
@@ -610,6 +626,43 @@ mod tests {
         let mut got = Vec::new();
         rail.recv(0, &mut bufs, &mut got).unwrap();
         assert!(got.is_empty(), "the rail port received nothing");
+    }
+
+    #[test]
+    fn send_only_drops_are_counted_once_while_other_sockets_come_and_go() {
+        let rail = UdpRail::bind(Ipv4Addr::LOCALHOST, 0, 4, 1 << 20, Offloads::ALL).unwrap();
+        let stray = SocketAddrV4::new(Ipv4Addr::LOCALHOST, rail.ports()[1]);
+        let attacker = UdpSocket::bind((Ipv4Addr::LOCALHOST, 0)).unwrap();
+        for _ in 0..50 {
+            attacker.send_to(&[7u8; 100], stray).unwrap();
+        }
+        let t0 = std::time::Instant::now();
+        while rail.send_only_drops() != Some(50) {
+            assert!(t0.elapsed() < std::time::Duration::from_secs(5), "{:?} dropped", rail.send_only_drops());
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        }
+        // Enough sockets that the table spans many pages, opened and closed while it is read.
+        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let churn = {
+            let stop = stop.clone();
+            std::thread::spawn(move || {
+                let mut held = Vec::new();
+                for i in 0..20_000u32 {
+                    if stop.load(std::sync::atomic::Ordering::Relaxed) {
+                        break;
+                    }
+                    held.push(UdpSocket::bind((Ipv4Addr::LOCALHOST, 0)).unwrap());
+                    if held.len() > 300 {
+                        held.remove((i as usize * 7919) % held.len());
+                    }
+                }
+            })
+        };
+        for _ in 0..200 {
+            assert_eq!(rail.send_only_drops(), Some(50));
+        }
+        stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        churn.join().unwrap();
     }
 
     #[test]
