@@ -84,6 +84,8 @@ impl Sim {
             stall_timeout_us: 20_000_000,
             sack_every_pkts: p.sack_every_pkts,
             sack_delay_us: p.sack_delay_us,
+            // The simulated paths are packet-switched and lossy like UDP's.
+            reliable_paths: false,
         };
         let mut rng = SmallRng::seed_from_u64(seed ^ 0x00C0_FFEE);
         let transfers = workload::generate(&sc.workload, fab.hosts, fab.rails, size, &mut rng)?;

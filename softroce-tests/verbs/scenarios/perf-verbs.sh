@@ -1,13 +1,14 @@
 # perf-verbs: prism-perf all_reduce with 2 ranks over rxe on the veth wire (rank 0 on rxe0/va, rank 1 on
 # rxe1/vb: every packet crosses the link), then, in the same boot and on the same two devices,
-# ib_write_bw rxe0 -> rxe1 (RC, 1 QP, 64 KiB) as the reference.
+# ib_write_bw rxe0 -> rxe1 (RC, 1 QP, 64 KiB) as the reference, one way and both ways at once (-b).
 # Claims: both ranks exit 0; every size reported with #wrong = 0; both ranks' PRISM_STATS name the
 # verbs backend; the bytes crossed the veth; ib_write_bw ran and moved data; on verbs,
 # rank 0's getProperties of rxe0 match the guest's sysfs (name, pciPath, speed = ports/1/rate, guid = node_guid).
 # Numbers: prism-perf busbw and algbw per size (MB/s = 10^6 B/s; with 2 ranks all_reduce's busbw =
 # algbw = bytes each rank sends per second, i.e. one direction of the link), ib_write_bw MB/s (timed by
 # the bed from rxe1's packet counter, as in `perftest`), and prism/ib_write_bw ratios (largest size, and
-# best size). Note: all_reduce moves the bytes in both directions at once; ib_write_bw in one.
+# best size). Note: all_reduce moves the bytes in both directions at once; plain ib_write_bw in one,
+# `ib_write_bw -b` in both like all_reduce (ratio_busbw_best_vs_ib_write_bw_bidir: per direction each).
 . /prism/lib.sh
 SIZES_FLAGS=${SIZES_FLAGS:-"-b 1M -e 16M -f 4"}
 NSIZES=${NSIZES:-3}
@@ -90,6 +91,27 @@ ib=""; [ "$crc" -eq 0 ] && [ "$src" -eq 0 ] && ib=$(sampled_rate "$OUT/ib-rcvd.t
 metric ib_write_bw_MBps "${ib:-null}"
 metric ib_write_bw_perftest_reported_MBps "$(perftest_bw "$OUT/ib-client.log")"
 is_pos "$ib"; check ib_write_bw_moves_data $? "ib_write_bw RC 1 QP 64 KiB rxe0 -> rxe1: ${ib:-failed} MB/s (client rc=$crc server rc=$src)"
+
+# The same in both directions at once (-b), as all_reduce moves its bytes: the rate rxe0 -> rxe1 while
+# rxe1 -> rxe0 runs too (from rxe1's packet counter, like the one-way figure). Both rxe devices and
+# both ranks share the guest's vCPUs, so whether one direction slows the other is the guest's to tell.
+start_sampler "$OUT/ib-bidir-rcvd.txt" /sys/class/infiniband/rxe1/ports/1/hw_counters/rcvd_pkts
+ib_write_bw -d rxe1 -x "$gid" -F -b -n "$IB_ITERS" -s 65536 -u 17 -p 18601 >"$OUT/ib-bidir-server.log" 2>&1 &
+srv=$!
+wait_listen 18601 10 || log "ib_write_bw -b server did not listen"
+timeout 120 ib_write_bw -d rxe0 -x "$gid" -F -b -n "$IB_ITERS" -s 65536 -u 17 -p 18601 10.9.0.2 >"$OUT/ib-bidir-client.log" 2>&1
+crc=$?
+wait "$srv"; src=$?
+stop_sampler
+ibb=""; [ "$crc" -eq 0 ] && [ "$src" -eq 0 ] && ibb=$(sampled_rate "$OUT/ib-bidir-rcvd.txt" $((IB_ITERS * 65536)))
+metric ib_write_bw_bidir_per_direction_MBps "${ibb:-null}"
+metric ib_write_bw_bidir_perftest_reported_MBps "$(perftest_bw "$OUT/ib-bidir-client.log")"
+is_pos "$ibb"; check ib_write_bw_bidir_moves_data $? "ib_write_bw -b RC 1 QP 64 KiB rxe0 <-> rxe1: ${ibb:-failed} MB/s one way (client rc=$crc server rc=$src)"
+
+if is_pos "$ib" && is_pos "$ibb" && [ -s /tmp/rows ]; then
+  best=$(awk 'BEGIN { m = 0 } $3 > m { m = $3 } END { print m }' /tmp/rows)
+  metric ratio_busbw_best_vs_ib_write_bw_bidir "$(awk -v b="$best" -v i="$ibb" 'BEGIN { printf "%.3f", b * 1000 / i }')"
+fi
 
 if is_pos "$ib" && [ -s /tmp/rows ]; then
   last=$(tail -n1 /tmp/rows)

@@ -161,6 +161,7 @@ impl Net {
         // payload is whole lines (`wire::LINE_BYTES`): at MTU 9000 a datagram holds 8,908 payload
         // bytes, of which 8,832 are used, so that packets sprayed out of order never tear an LL line.
         let payload = min_dgram - wire::MAX_HEADER_LEN;
+        let verbs = rails.iter().any(|r| r.backend.verbs().is_some());
         let proto = ProtoConfig {
             n_paths: cfg.paths * rails.len() as u16,
             max_payload: payload - payload % wire::LINE_BYTES,
@@ -171,6 +172,10 @@ impl Net {
             rto_min_us: cfg.rto_min_us,
             peer_timeout_us: cfg.peer_timeout_ms * 1000,
             stall_timeout_us: cfg.stall_timeout_ms * 1000,
+            // Verbs: each path is a reliable connected QP, in order by itself; a SACK per MiB of
+            // 64 KiB packets (and at each receive's end, or after the delay).
+            reliable_paths: verbs,
+            sack_every_pkts: if verbs { 16 } else { ProtoConfig::default().sack_every_pkts },
             ..ProtoConfig::default()
         };
         tracing::info!("load balancing: {} (host id {host_id})", lb.describe());

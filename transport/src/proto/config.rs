@@ -39,6 +39,13 @@ pub struct ProtoConfig {
     pub sack_every_pkts: u32,
     /// ... or this long after the first unacknowledged one.
     pub sack_delay_us: u64,
+    /// Every path delivers reliably and in order by itself (verbs: one reliable connected QP per
+    /// path; false for UDP and the simulator's packet-switched paths). Then a hole in the PSNs is
+    /// only reordering between paths, not a loss, and is acknowledged like any other packet (a SACK
+    /// per hole cost one per data packet), and a CTS goes out once instead of twice (the copy is for
+    /// a CTS lost on the way; a path that fails takes everything in flight on it with it and is
+    /// found like any other failure).
+    pub reliable_paths: bool,
 }
 
 impl Default for ProtoConfig {
@@ -58,6 +65,7 @@ impl Default for ProtoConfig {
             stall_timeout_us: 20_000_000,
             sack_every_pkts: 8,
             sack_delay_us: 50,
+            reliable_paths: false,
         }
     }
 }
@@ -120,6 +128,7 @@ mod tests {
             stall_timeout_us: 0,
             sack_every_pkts: 0,
             sack_delay_us: 0,
+            reliable_paths: false,
         };
         let c = zero.sanitized();
         assert_eq!((c.n_paths, c.max_payload, c.window_pkts, c.sack_every_pkts), (1, MIN_PAYLOAD, 1, 1));

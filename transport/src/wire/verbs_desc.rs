@@ -4,7 +4,7 @@
 //! WRITE's immediate (the PSN's low 31 bits, bit 31 = retransmission) and the completion's byte count.
 //! Packet `first_psn + k` carries the bytes at `offset + k * pkt_bytes` of the buffer (every packet
 //! but the run's last carries exactly `pkt_bytes`). Sent once before a run's first WRITE and again
-//! before each retransmitted one.
+//! before each retransmitted one, and before a WRITE whose packet carries a newer `cts_ack`.
 //!
 //! Layout (64 bytes, big-endian):
 //! ```text
