@@ -183,7 +183,8 @@ impl TransportConfig {
             num(vars, "PRISM_MTU", 576, 65_535, &mut m).map_err(|_| bad("PRISM_MTU", v, "must be between 576 and 65535"))?;
             c.mtu = m;
         }
-        num(vars, "PRISM_WINDOW", 1, 65_536, &mut c.window_pkts)?;
+        // The receiver's out-of-order window bounds what can be in flight.
+        num(vars, "PRISM_WINDOW", 1, crate::proto::OOO_WINDOW_PKTS as u32, &mut c.window_pkts)?;
         num(vars, "PRISM_PEER_TIMEOUT_MS", 10, 3_600_000, &mut c.peer_timeout_ms)?;
         num(vars, "PRISM_STALL_TIMEOUT_MS", 10, 3_600_000, &mut c.stall_timeout_ms)?;
         num(vars, "PRISM_CONNECT_TIMEOUT_MS", 10, 3_600_000, &mut c.connect_timeout_ms)?;
@@ -357,6 +358,8 @@ mod tests {
 
     #[test]
     fn garbage_numbers_are_rejected() {
+        let e = TransportConfig::from_vars(&vars(&[("PRISM_WINDOW", "4097")])).unwrap_err().to_string();
+        assert_eq!(e, "PRISM_WINDOW=4097: must be between 1 and 4096");
         let e = TransportConfig::from_vars(&vars(&[("PRISM_WINDOW", "lots")])).unwrap_err().to_string();
         assert!(e.starts_with("PRISM_WINDOW=lots: must be a number"), "{e}");
     }

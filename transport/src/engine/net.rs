@@ -156,28 +156,8 @@ impl Net {
             return Err(TransportError::Config(format!("PRISM_IFNAMES: {} rails, at most {MAX_RAILS}", rails.len())));
         }
         let (lb_rt, host_id) = lb_runtime(&cfg, &lb, &rails)?;
-        // Every rail uses the smallest payload so that a retransmission fits on any of them. A comm's
-        // entropies cover every rail (rail-major), so its proto knows rails × paths of them. The
-        // payload is whole lines (`wire::LINE_BYTES`): at MTU 9000 a datagram holds 8,908 payload
-        // bytes, of which 8,832 are used, so that packets sprayed out of order never tear an LL line.
-        let payload = min_dgram - wire::MAX_HEADER_LEN;
         let verbs = rails.iter().any(|r| r.backend.verbs().is_some());
-        let proto = ProtoConfig {
-            n_paths: cfg.paths * rails.len() as u16,
-            max_payload: payload - payload % wire::LINE_BYTES,
-            window_pkts: cfg.window_pkts,
-            // A batch is reordered by up to its length when it is spread over the sockets; a small
-            // window (slow links) cannot have that many packets overtake a lost one, so stay below it.
-            reorder_threshold: ProtoConfig::default().reorder_threshold.max(BATCH as u32 + 32).min((cfg.window_pkts / 2).max(3)),
-            rto_min_us: cfg.rto_min_us,
-            peer_timeout_us: cfg.peer_timeout_ms * 1000,
-            stall_timeout_us: cfg.stall_timeout_ms * 1000,
-            // Verbs: each path is a reliable connected QP, in order by itself; a SACK per MiB of
-            // 64 KiB packets (and at each receive's end, or after the delay).
-            reliable_paths: verbs,
-            sack_every_pkts: if verbs { 16 } else { ProtoConfig::default().sack_every_pkts },
-            ..ProtoConfig::default()
-        };
+        let proto = proto_config(&cfg, rails.len(), verbs, min_dgram);
         tracing::info!("load balancing: {} (host id {host_id})", lb.describe());
         // Ethereal's interceptor window; without it (or without Ethereal) each send is planned when posted.
         let batches = (lb.split == prism_lb::SplitKind::Ethereal && lb.ethereal.batch_us > 0).then(|| SendBatches::new(&lb_rt));
@@ -325,4 +305,92 @@ fn lb_runtime(cfg: &TransportConfig, lb: &prism_lb::LbConfig, rails: &[Arc<Rail>
     let seed = if cfg.seed == 0 { rand::random() } else { cfg.seed };
     let rt = lb.runtime(topo, host_id as usize, seed).map_err(|e| TransportError::Config(format!("load balancing: {e}")))?;
     Ok((rt, host_id))
+}
+
+/// The protocol configuration of every connection of a `Net` with `n_rails` rails whose smallest
+/// datagram is `min_dgram` bytes. Every value is already one the protocol can run with
+/// (`ProtoConfig::sanitized` changes nothing), so no connection logs a correction: the variables were
+/// checked when they were read, and what follows from them is clamped here once.
+fn proto_config(cfg: &TransportConfig, n_rails: usize, verbs: bool, min_dgram: usize) -> ProtoConfig {
+    let d = ProtoConfig::default();
+    // Every rail uses the smallest payload so that a retransmission fits on any of them. A comm's
+    // entropies cover every rail (rail-major), so its proto knows rails × paths of them. The
+    // payload is whole lines (`wire::LINE_BYTES`): at MTU 9000 a datagram holds 8,908 payload
+    // bytes, of which 8,832 are used, so that packets sprayed out of order never tear an LL line.
+    let payload = min_dgram.saturating_sub(wire::MAX_HEADER_LEN);
+    let window_pkts = cfg.window_pkts.clamp(1, crate::proto::OOO_WINDOW_PKTS as u32);
+    // Before the first RTT sample a connection waits the initial RTO, which the floor
+    // (`PRISM_RTO_MIN_US`) bounds from below like every other RTO; the ceiling is never below it.
+    let rto_max_us = d.rto_max_us.max(cfg.rto_min_us);
+    ProtoConfig {
+        n_paths: cfg.paths.saturating_mul(n_rails as u16).max(1),
+        max_payload: (payload - payload % wire::LINE_BYTES).max(wire::MIN_PAYLOAD),
+        window_pkts,
+        // A batch is reordered by up to its length when it is spread over the sockets; a small
+        // window (slow links) cannot have that many packets overtake a lost one, so stay below it.
+        reorder_threshold: d.reorder_threshold.max(BATCH as u32 + 32).min((window_pkts / 2).max(3)),
+        rto_min_us: cfg.rto_min_us,
+        rto_max_us,
+        rto_initial_us: d.rto_initial_us.clamp(cfg.rto_min_us, rto_max_us),
+        peer_timeout_us: cfg.peer_timeout_ms * 1000,
+        stall_timeout_us: cfg.stall_timeout_ms * 1000,
+        // Verbs: each path is a reliable connected QP, in order by itself; a SACK per MiB of
+        // 64 KiB packets (and at each receive's end, or after the delay).
+        reliable_paths: verbs,
+        sack_every_pkts: if verbs { 16 } else { d.sack_every_pkts },
+        ..d
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The engine's protocol configuration never needs the per-connection correction (which logs a
+    /// WARN on every comm): with the defaults, at every bound of every variable it is built from, on
+    /// UDP and verbs, with one rail and many.
+    #[test]
+    fn no_valid_configuration_needs_correcting_per_connection() {
+        let d = TransportConfig::default();
+        let mut cfgs = vec![d.clone()];
+        for rto in [10, 2_000, 20_000, 200_000, 1_000_000, 10_000_000] {
+            cfgs.push(TransportConfig { rto_min_us: rto, ..d.clone() });
+        }
+        for window_pkts in [1, 2, 3, 7, 64, 512, 4096, 65_536] {
+            cfgs.push(TransportConfig { window_pkts, ..d.clone() });
+        }
+        for paths in [1, 16, 1024] {
+            cfgs.push(TransportConfig { paths, ..d.clone() });
+        }
+        for ms in [10, 3_600_000] {
+            cfgs.push(TransportConfig { peer_timeout_ms: ms, stall_timeout_ms: ms, ..d.clone() });
+        }
+        for cfg in &cfgs {
+            for n_rails in [1, MAX_RAILS] {
+                for verbs in [false, true] {
+                    for min_dgram in [576 - 28, 1472, 8972, 65_507, 65_536 + wire::MAX_HEADER_LEN] {
+                        let p = proto_config(cfg, n_rails, verbs, min_dgram);
+                        assert_eq!(p.sanitized(), p, "{cfg:?} rails {n_rails} verbs {verbs} datagram {min_dgram}");
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn the_initial_rto_is_never_below_the_floor_and_the_ceiling_never_below_either() {
+        let d = TransportConfig::default();
+        let p = proto_config(&d, 1, false, 8972);
+        assert_eq!((p.rto_min_us, p.rto_initial_us, p.rto_max_us), (20_000, 20_000, 200_000));
+        let p = proto_config(&TransportConfig { rto_min_us: 2_000, ..d.clone() }, 1, false, 8972);
+        assert_eq!((p.rto_min_us, p.rto_initial_us, p.rto_max_us), (2_000, 10_000, 200_000));
+        let p = proto_config(&TransportConfig { rto_min_us: 1_000_000, ..d }, 1, false, 8972);
+        assert_eq!((p.rto_min_us, p.rto_initial_us, p.rto_max_us), (1_000_000, 1_000_000, 1_000_000));
+    }
+
+    #[test]
+    fn payloads_are_whole_lines_of_the_smallest_datagram() {
+        let p = proto_config(&TransportConfig::default(), 2, false, 8972);
+        assert_eq!((p.max_payload, p.n_paths), (8832, 32));
+    }
 }
