@@ -5,6 +5,8 @@ Pure functions over plain dicts, so they are unit-tested without a fabric.
 
 from __future__ import annotations
 
+import math
+
 from .scenario import TopologySpec
 from .topo import downlink_if, host_if, leaf_name, spine_name, uplink_if
 
@@ -197,19 +199,12 @@ def traffic_matrix(coll: str, nranks: int, size: int) -> dict[tuple[int, int], f
     return m
 
 
-def lower_bound_s(spec: TopologySpec, coll: str, size: int, rank_rail: str | None = None,
-                  rails_used: int | None = None) -> dict:
-    """The fastest one iteration could possibly finish on this fabric. Each pair's bytes are spread evenly
-    over the first `rails_used` rails of the sender (all of them by default, as Prism's rail layer does),
-    the k-th rail of the sender talking to the k-th of the receiver (Prism's rail pairing, see
-    ``TopologySpec.rail_order``); cross-rail bytes are spread perfectly over the spines. The busiest host
-    NIC or the busiest leaf's uplinks (or downlinks), over its capacity, wins. Headers and acknowledgements
-    are ignored, so real runs land above it."""
+def _loads(spec: TopologySpec, coll: str, size: int, rank_rail: str | None, rails_used: int | None):
+    """The bytes one iteration puts on each host NIC (send, receive) and on each leaf's uplinks and
+    downlinks together, with Prism's rail pairing (see ``lower_bound_s``)."""
     n = spec.hosts
     k_used = max(1, min(rails_used or spec.rails, spec.rails))
     m = traffic_matrix(coll, n, size)
-    host_bps = spec.host_bw_mbit * 1e6 / 8
-    spine_bps = spec.spine_bw_mbit * 1e6 / 8
     nic_send: dict[tuple[int, int], float] = {}
     nic_recv: dict[tuple[int, int], float] = {}
     leaf_up = [0.0] * spec.rails
@@ -223,6 +218,20 @@ def lower_bound_s(spec: TopologySpec, coll: str, size: int, rank_rail: str | Non
             if ra != rb:
                 leaf_up[ra] += part
                 leaf_down[rb] += part
+    return m, k_used, nic_send, nic_recv, leaf_up, leaf_down
+
+
+def lower_bound_s(spec: TopologySpec, coll: str, size: int, rank_rail: str | None = None,
+                  rails_used: int | None = None) -> dict:
+    """The fastest one iteration could possibly finish on this fabric. Each pair's bytes are spread evenly
+    over the first `rails_used` rails of the sender (all of them by default, as Prism's rail layer does),
+    the k-th rail of the sender talking to the k-th of the receiver (Prism's rail pairing, see
+    ``TopologySpec.rail_order``); cross-rail bytes are spread perfectly over the spines. The busiest host
+    NIC or the busiest leaf's uplinks (or downlinks), over its capacity, wins. Headers and acknowledgements
+    are ignored, so real runs land above it."""
+    m, k_used, nic_send, nic_recv, leaf_up, leaf_down = _loads(spec, coll, size, rank_rail, rails_used)
+    host_bps = spec.host_bw_mbit * 1e6 / 8
+    spine_bps = spec.spine_bw_mbit * 1e6 / 8
     cands = {
         "host_send": max(nic_send.values(), default=0.0) / host_bps,
         "host_recv": max(nic_recv.values(), default=0.0) / host_bps,
@@ -232,6 +241,77 @@ def lower_bound_s(spec: TopologySpec, coll: str, size: int, rank_rail: str | Non
     bottleneck = max(cands, key=cands.get)
     return {"seconds": cands[bottleneck], "bottleneck": bottleneck, "terms_s": cands, "rails_used": k_used,
             "cross_spine_bytes": sum(leaf_up), "total_bytes": sum(m.values())}
+
+
+def _finish_s(work: float, steps: list[tuple[float, float]]) -> float:
+    """When `work` bytes have passed a resource whose capacity (bytes/s) is `steps[i][1]` from
+    `steps[i][0]` seconds on (the first step at 0, times rising). Infinite if the capacity ends at 0
+    before the work is done."""
+    done = 0.0
+    for i, (t0, cap) in enumerate(steps):
+        t1 = steps[i + 1][0] if i + 1 < len(steps) else math.inf
+        if cap > 0 and done + cap * (t1 - t0) >= work:
+            return t0 + (work - done) / cap
+        done += cap * (t1 - t0) if math.isfinite(t1) else 0.0
+    return math.inf if work > done else steps[-1][0]
+
+
+def fault_lower_bound_s(spec: TopologySpec, coll: str, size: int, parts: list[dict],
+                        rank_rail: str | None = None, rails_used: int | None = None) -> dict:
+    """``lower_bound_s`` of an iteration during which the fabric breaks as `parts` say, each a fault part
+    ``{kind, leaf, spine, at_s, bw_mbit, loss_pct}`` with `at_s` counted from the first data bytes (the
+    moment the fault-free bound starts from too). From its time on, a ``blackhole`` or ``link_down`` takes
+    the leaf-spine link out both ways, a ``slow_spine`` shapes every link of its spine to `bw_mbit`, and a
+    ``loss`` on a spine leaves its links `1 - loss_pct/100` of their capacity for data that arrives (what
+    is dropped was sent). Each leaf's uplinks (and downlinks) are one resource whose capacity is the sum of
+    its links' at each moment, filled perfectly from the first byte: no policy, however it reroutes, can
+    finish before this with Prism's rail pairing. Its ratio to the fault-free bound is the least CCT ratio
+    (fault / no fault) the fault allows a run that was at the bound without it."""
+    m, k_used, nic_send, nic_recv, leaf_up, leaf_down = _loads(spec, coll, size, rank_rail, rails_used)
+    host_bps = spec.host_bw_mbit * 1e6 / 8
+    spine_mbit = spec.spine_bw_mbit
+    # Capacity of link (leaf r, spine s) in Mbit/s as a list of (from_s, mbit) steps per link.
+    events = sorted(((float(p.get("at_s") or 0.0), p) for p in parts), key=lambda e: e[0])
+
+    def link_steps(r: int, s: int) -> list[tuple[float, float]]:
+        steps = [(0.0, spine_mbit)]
+        dead, bw, good = False, spine_mbit, 1.0
+        for t, p in events:
+            kind = p.get("kind")
+            if kind in ("blackhole", "link_down") and p.get("leaf") == r and p.get("spine") == s:
+                dead = True
+            elif kind == "slow_spine" and p.get("spine") == s:
+                bw = min(bw, float(p.get("bw_mbit") or spine_mbit))
+            elif kind == "loss" and p.get("spine") == s:
+                good *= 1.0 - float(p.get("loss_pct") or 0.0) / 100.0
+            else:
+                continue
+            steps.append((t, 0.0 if dead else bw * good))
+        return steps
+
+    def leaf_steps(r: int) -> list[tuple[float, float]]:
+        per_link = [link_steps(r, s) for s in range(spec.spines)]
+        times = sorted({t for st in per_link for t, _ in st})
+
+        def at(st: list[tuple[float, float]], t: float) -> float:
+            return [c for t0, c in st if t0 <= t][-1]
+        return [(t, sum(at(st, t) for st in per_link) * 1e6 / 8) for t in times]
+
+    cands = {
+        "host_send": max(nic_send.values(), default=0.0) / host_bps,
+        "host_recv": max(nic_recv.values(), default=0.0) / host_bps,
+        "spine_up": max((_finish_s(w, leaf_steps(r)) for r, w in enumerate(leaf_up) if w > 0), default=0.0),
+        "spine_down": max((_finish_s(w, leaf_steps(r)) for r, w in enumerate(leaf_down) if w > 0), default=0.0),
+    }
+    bottleneck = max(cands, key=cands.get)
+    free = lower_bound_s(spec, coll, size, rank_rail, rails_used)
+    secs = cands[bottleneck]
+    finite = math.isfinite(secs)
+    # JSON has no infinity: a transfer the broken fabric cannot finish has no bound (`finishes` false).
+    return {"seconds": secs if finite else None, "finishes": finite, "bottleneck": bottleneck,
+            "terms_s": {k: (v if math.isfinite(v) else None) for k, v in cands.items()}, "rails_used": k_used,
+            "parts": [{k: p.get(k) for k in ("kind", "leaf", "spine", "at_s", "bw_mbit", "loss_pct")} for _, p in events],
+            "over_fault_free_bound": (secs / free["seconds"]) if (finite and free["seconds"]) else None}
 
 
 def spine_packets(spec: TopologySpec, netdev: dict) -> int:

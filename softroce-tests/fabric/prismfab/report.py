@@ -60,6 +60,7 @@ def run_row(r: dict, base: dict | None) -> dict:
         "bound_ms": fmt_ms((r.get("lower_bound") or {}).get("seconds")),
         "cct_over_bound": "-" if not r.get("cct_over_bound") else f"{r['cct_over_bound']:.2f}",
         "vs_no_fault": "-" if ratio is None else f"{ratio:.2f}",
+        "fault_bound": fault_bound_cell(r, base),
         "spine_imbalance": fmt_pct(bal.get("spine_imbalance")),
         "uplink_imbalance": fmt_pct(max((v for v in (bal.get("leaf_uplink_imbalance") or {}).values() if v is not None),
                                         default=None)),
@@ -76,11 +77,28 @@ def run_row(r: dict, base: dict | None) -> dict:
 
 COLUMNS = [("workload", "workload"), ("policy", "policy"), ("fault", "fault"), ("ok", "data ok"),
            ("cct_ms", "CCT ms"), ("bound_ms", "bound ms"), ("cct_over_bound", "CCT/bound"),
-           ("vs_no_fault", "CCT/no-fault"), ("spine_imbalance", "spine imbalance"),
+           ("vs_no_fault", "CCT/no-fault"),
+           ("fault_bound", "bound under the fault ms (least CCT/no-fault it allows; CCT over it)"), ("spine_imbalance", "spine imbalance"),
            ("uplink_imbalance", "worst leaf uplink imbalance"), ("moment_imbalance", "same, per 100 ms"),
            ("flow_imbalance", "per-flow imbalance"), ("qdisc_drops", "fabric drops"), ("host_drops", "NIC drops"),
            ("peak_backlog_kb", "peak queue KB"), ("retrans", "retrans"), ("rtt_ms", "mean RTT ms"),
            ("ttr_ms", "reroute / last dead pkt ms (dead path rate left); by bytes: reroute ms = RTTs of the fault-free run (rate left)")]
+
+
+def fault_bound_cell(r: dict, base: dict | None) -> str:
+    """The lower bound with the fault's links broken when they broke; the least CCT/no-fault ratio it
+    allows (over the fault-free run's CCT); the run's CCT over it."""
+    lbf = r.get("lower_bound_fault")
+    if not lbf:
+        return "-"
+    fb = lbf.get("seconds")
+    if not lbf.get("finishes", True) or not fb:
+        return "none: the broken fabric cannot finish it"
+    cell = fmt_ms(fb)
+    if base and base.get("cct_s"):
+        cell += f" (x{fb / base['cct_s']:.2f}"
+        cell += f"; {r['cct_over_fault_bound']:.2f})" if r.get("cct_over_fault_bound") else ")"
+    return cell
 
 
 def baseline_of(r: dict, runs: list[dict]) -> dict | None:

@@ -228,7 +228,8 @@ def run_one(fab: Fabric, scn: Scenario, bins: Binaries, wl: Workload, pol: Polic
                 for part in injector.inject_due(now - t_data):
                     t_part = time.monotonic()
                     parts_at.append({"kind": part.kind, "spine": part.spine, "leaf": part.leaf,
-                                     "at_s": round(t_part - t_data, 4)})
+                                     "at_s": round(t_part - t_data, 4), "bw_mbit": part.bw_mbit,
+                                     "loss_pct": part.loss_pct})
                     if part is fault:
                         t_fault = t_part
             time.sleep(0.005 if (injector and injector.pending) else 0.05)
@@ -323,6 +324,13 @@ def run_one(fab: Fabric, scn: Scenario, bins: Binaries, wl: Workload, pol: Polic
         res["fault_nft_drops"] = drops_at_fault
         if fault.also:
             res["fault_parts"] = parts_at
+        if parts_at:
+            # The fabric as it broke, at the moments it broke: no policy could finish before this.
+            fb = metrics.fault_lower_bound_s(spec, wl.collective, wl.size_bytes, parts_at, wl.rank_rail,
+                                             rails_used(scn, wl, pol))
+            res["lower_bound_fault"] = fb
+            if res.get("cct_s") and fb["seconds"]:
+                res["cct_over_fault_bound"] = res["cct_s"] / fb["seconds"]
         if t_fault is None:
             res["ok"] = False
             res["errors"].append("the fault never fired (the run ended before data flowed for at_s seconds)")

@@ -78,6 +78,24 @@ class Acceptance(unittest.TestCase):
         self.assertFalse(c.ok)
         self.assertIn("x2.0", c.detail)
 
+    def test_the_floor_the_fault_allows_is_reported_next_to_the_ratio(self):
+        runs = [r for r in good_runs() if r["label"] != "alltoall_f/reps/blackhole"]
+        r = run("alltoall_f", "reps", fault="blackhole", cct=3.0)
+        r["lower_bound_fault"] = {"seconds": 3.1, "finishes": True}
+        r["cct_over_fault_bound"] = 3.0 / 3.1
+        runs.append(r)
+        c = by_name(checks.evaluate(self.scn, runs))["fault.blackhole.reps"]
+        self.assertAlmostEqual(c.data["fault_floor_ratio"], 1.55)
+        self.assertIn("allows no better than x1.55", c.detail)
+        self.assertEqual(checks.fault_floor(r, None), None)
+        self.assertEqual(checks.fault_floor({"lower_bound_fault": {"seconds": None, "finishes": False}},
+                                            {"cct_s": 2.0}), None)
+        from prismfab.report import fault_bound_cell
+        self.assertEqual(fault_bound_cell(r, {"cct_s": 2.0}), "3100.0 (x1.55; 0.97)")
+        self.assertEqual(fault_bound_cell({"lower_bound_fault": {"seconds": None, "finishes": False}}, None),
+                         "none: the broken fabric cannot finish it")
+        self.assertEqual(fault_bound_cell(run("alltoall_f", "reps"), None), "-")
+
     def test_every_black_hole_policy_of_the_ci_scenario_is_checked_dr_included(self):
         names = by_name(checks.evaluate(self.scn, good_runs()))
         for p in ("reps", "pro", "spray", "dr"):

@@ -1,5 +1,6 @@
 """Balance, lower bound, recovery time and stats summing, on hand-made counters."""
 
+import json
 import unittest
 
 from prismfab import metrics
@@ -152,6 +153,64 @@ class TrafficAndBound(unittest.TestCase):
     def test_aligned_ranks_put_nothing_on_the_spines(self):
         spec = TopologySpec(hosts=4, rails=2, spines=2, rank_rail="aligned")
         self.assertEqual(metrics.lower_bound_s(spec, "alltoall", 8 << 20)["cross_spine_bytes"], 0)
+
+    def test_a_fault_that_never_comes_leaves_the_bound_as_it_was(self):
+        spec = TopologySpec(hosts=4, rails=2, spines=2, host_bw_mbit=100, spine_bw_mbit=100)
+        free = metrics.lower_bound_s(spec, "alltoall", 16 << 20)
+        fb = metrics.fault_lower_bound_s(spec, "alltoall", 16 << 20, [])
+        self.assertAlmostEqual(fb["seconds"], free["seconds"])
+        self.assertAlmostEqual(fb["over_fault_free_bound"], 1.0)
+        late = [{"kind": "blackhole", "leaf": 0, "spine": 0, "at_s": 10.0}]
+        self.assertAlmostEqual(metrics.fault_lower_bound_s(spec, "alltoall", 16 << 20, late)["seconds"], free["seconds"])
+
+    def test_ci_black_hole_leaves_leaf_0_half_its_uplinks_for_the_rest_of_the_transfer(self):
+        # ci.json's fault: 16 MiB alltoall, each leaf sends 16 MiB up over 2 x 12.5 MB/s (0.671 s); the
+        # leaf 0 - spine 0 link dies 0.3 s in, when 7.5 MB are up: the other 9.27 MB need 0.742 s on one
+        # spine. 1.042 s = 1.55 x the fault-free bound, whatever any policy does.
+        spec = TopologySpec(hosts=4, rails=2, spines=2, host_bw_mbit=100, spine_bw_mbit=100)
+        parts = [{"kind": "blackhole", "leaf": 0, "spine": 0, "at_s": 0.3}]
+        fb = metrics.fault_lower_bound_s(spec, "alltoall", 16 << 20, parts)
+        self.assertIn(fb["bottleneck"], ("spine_up", "spine_down"))
+        self.assertAlmostEqual(fb["seconds"], 0.3 + ((16 << 20) - 0.3 * 25e6) / 12.5e6)
+        self.assertAlmostEqual(fb["over_fault_free_bound"], fb["seconds"] / ((16 << 20) / 25e6))
+        self.assertGreater(fb["over_fault_free_bound"], 1.5)
+
+    def test_link_down_and_slow_spine_and_loss_take_what_they_take(self):
+        spec = TopologySpec(hosts=4, rails=2, spines=4, host_bw_mbit=100, spine_bw_mbit=100)
+        free = metrics.lower_bound_s(spec, "alltoall", 16 << 20)
+        w = free["cross_spine_bytes"] / 2  # what each leaf sends up (and receives down)
+        self.assertEqual(w, 16 << 20)
+        self.assertEqual(free["bottleneck"], "host_send")  # 4 spines: the NICs are the bottleneck
+        down = metrics.fault_lower_bound_s(spec, "alltoall", 16 << 20,
+                                           [{"kind": "link_down", "leaf": 1, "spine": 3, "at_s": 0.0}])
+        self.assertAlmostEqual(down["terms_s"]["spine_up"], w / 37.5e6)
+        slow = metrics.fault_lower_bound_s(spec, "alltoall", 16 << 20,
+                                           [{"kind": "slow_spine", "spine": 2, "bw_mbit": 25, "at_s": 0.0}])
+        self.assertAlmostEqual(slow["terms_s"]["spine_up"], w / ((3 * 100 + 25) * 1e6 / 8))
+        lossy = metrics.fault_lower_bound_s(spec, "alltoall", 16 << 20,
+                                            [{"kind": "loss", "spine": 1, "loss_pct": 10.0, "at_s": 0.0}])
+        self.assertAlmostEqual(lossy["terms_s"]["spine_up"], w / ((3 * 100 + 90) * 1e6 / 8))
+        self.assertAlmostEqual(lossy["terms_s"]["host_send"], free["terms_s"]["host_send"])
+
+    def test_a_leaf_cut_off_from_every_spine_never_finishes(self):
+        spec = TopologySpec(hosts=4, rails=2, spines=2)
+        parts = [{"kind": "blackhole", "leaf": 0, "spine": s, "at_s": 0.01} for s in range(2)]
+        fb = metrics.fault_lower_bound_s(spec, "alltoall", 16 << 20, parts)
+        self.assertEqual((fb["seconds"], fb["finishes"], fb["over_fault_free_bound"]), (None, False, None))
+        self.assertIsNone(fb["terms_s"]["spine_up"])
+        json.dumps(fb, allow_nan=False)  # what run.json can hold
+
+    def test_combined_parts_apply_each_from_its_own_time(self):
+        # spines3.json's shape: 1 % loss on spine 1 from 0.1 s, a black hole on leaf 0 - spine 2 from 0.4 s.
+        spec = TopologySpec(hosts=4, rails=2, spines=3, host_bw_mbit=100, spine_bw_mbit=100)
+        parts = [{"kind": "blackhole", "leaf": 0, "spine": 2, "at_s": 0.4},
+                 {"kind": "loss", "spine": 1, "loss_pct": 1.0, "at_s": 0.1}]
+        fb = metrics.fault_lower_bound_s(spec, "alltoall", 32 << 20, parts)
+        w = metrics.lower_bound_s(spec, "alltoall", 32 << 20)["cross_spine_bytes"] / 2
+        c0, c1, c2 = 3 * 12.5e6, (2 + 0.99) * 12.5e6, (1 + 0.99) * 12.5e6
+        done = 0.1 * c0 + 0.3 * c1
+        self.assertAlmostEqual(fb["terms_s"]["spine_up"], 0.4 + (w - done) / c2)
+        self.assertEqual([p["kind"] for p in fb["parts"]], ["loss", "blackhole"])
 
 
 def series(rate_dead, rate_other, n=200, dt=0.01):
