@@ -1371,3 +1371,40 @@ fn a_failure_while_an_earlier_one_lingers_is_dated_anew() {
         assert_eq!(into_holes(A, T + cfg.rto_min_us), 0, "DATA still went into the failed paths an RTO floor after the failure");
     });
 }
+
+#[test]
+fn losses_of_packets_sent_during_a_failure_episode_are_counted_apart() {
+    // `episode_losses` counts the DATA copies lost that left while a failure episode was going on:
+    // what the episode's rules did not keep off a failing path. Without a failure it stays 0; with a
+    // path dead from the start (an episode from the first loss on) and a second one black-holed later,
+    // while it is proven, the copies sent into the second before it was found are counted, and never
+    // more than every loss found.
+    seeded(51, |seed| {
+        let cfg = ProtoConfig::default();
+        let groups: Vec<Vec<Msg>> = (0..16).map(|i| vec![m(MIB, MIB, i)]).collect();
+        let mut sim = Sim::new(seed, &cfg, [Link::default(), Link::default()]);
+        let posted = post(&mut sim, &groups);
+        sim.run_until(60_000_000, |s| all_done(s, &posted));
+        verify(&sim, &posted);
+        assert_eq!((sim.stats(A).episode_losses, sim.stats(A).episode_losses_resent), (0, 0));
+
+        // A 1 GB/s sender NIC: the 16 MiB take about 17 ms, the episode begins within the first
+        // round trips (path 3) and path 7 fails 5 ms in.
+        let l = Link { dead: vec![3], blackhole: Some((7, 5_000, Micros::MAX)), ..Link::default() };
+        let mut sim = Sim::new(seed, &cfg, [l.clone(), l]);
+        sim.nic_decibytes_per_ns = 10;
+        let posted = post(&mut sim, &groups);
+        sim.run_until(60_000_000, |s| all_done(s, &posted));
+        verify(&sim, &posted);
+        let st = sim.stats(A);
+        let found = st.time_losses + st.timeout_losses + st.reorder_losses;
+        eprintln!(
+            "episode losses {} ({} resent) of {found} losses; path 3: {} copies, path 7: {} copies",
+            st.episode_losses, st.episode_losses_resent, st.paths[3].pkts_sent, st.paths[7].pkts_sent
+        );
+        assert!(st.episode_losses >= 1, "copies sent into path 7 after it failed mid-episode: {st:?}");
+        assert!(st.episode_losses <= found, "{} episode losses, {found} losses found", st.episode_losses);
+        assert!(st.episode_losses_resent <= st.episode_losses);
+        assert_ne!(st.paths[7].state, PathHealth::Alive);
+    });
+}

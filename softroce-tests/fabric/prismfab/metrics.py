@@ -430,8 +430,8 @@ def byte_recovery(tl: dict) -> dict | None:
 # Per-connection counters of PRISM_STATS that say how a run recovered (summed over every comm of every
 # rank); rto_us and reorder_threshold are settings, not counters, and stay out.
 CONN_COUNTERS = ("data_pkts_sent", "data_bytes_sent", "retransmissions", "spurious_retransmissions", "timeouts",
-                 "timeout_losses", "time_losses", "reorder_losses", "tail_probes", "duplicates", "cts_retransmitted",
-                 "sacks_sent", "sacks_received", "keepalives_sent")
+                 "timeout_losses", "time_losses", "reorder_losses", "episode_losses", "episode_losses_resent",
+                 "tail_probes", "duplicates", "cts_retransmitted", "sacks_sent", "sacks_received", "keepalives_sent")
 
 
 def summarize_stats(docs: list) -> dict:

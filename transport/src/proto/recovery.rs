@@ -472,6 +472,10 @@ impl Connection {
         rec.state = PktState::Lost;
         rec.probed = cause == LossCause::Probe;
         let (entropy, tx_seq, sent_at) = (rec.entropy, rec.tx_seq, rec.sent_at);
+        if cause != LossCause::Probe && rec.in_episode {
+            self.stats.episode_losses += 1;
+            self.stats.episode_losses_resent += u64::from(rec.resent);
+        }
         tx.in_flight -= 1;
         if cause == LossCause::Probe {
             tx.retx_queue.push_front(psn);

@@ -39,6 +39,8 @@ pub(crate) struct SentPkt {
     /// `Lost` only because it is resent as the tail-loss probe: an acknowledgement of the old copy
     /// is not a spurious loss.
     pub(crate) probed: bool,
+    /// This copy left while a failure episode was going on (`ConnStats::episode_losses`).
+    pub(crate) in_episode: bool,
     /// The connection's delivered bytes, and when they were last counted, when this copy left: its
     /// acknowledgement measures the delivery rate since (BBR's rate sample).
     pub(crate) delivered_at_send: (u64, Micros),
@@ -324,6 +326,7 @@ impl TxState {
             tx_seq: 0,
             resent: false,
             probed: false,
+            in_episode: false,
             delivered_at_send: (0, 0),
             prev_copy: (0, 0),
         };

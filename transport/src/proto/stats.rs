@@ -137,6 +137,13 @@ pub struct ConnStats {
     /// Packets declared lost by a path's retransmission timeout (the backstop: neither rule above
     /// nor a tail-loss probe found them).
     pub timeout_losses: u64,
+    /// DATA copies declared lost (by time, count or timeout) that left while a failure episode was
+    /// already going on: what the episode's rules (new packets and retransmissions on paths proven
+    /// since it began) did not keep off a failing path. A diagnostic for how fast a connection leaves
+    /// a failure, next to the losses that revealed it.
+    pub episode_losses: u64,
+    /// Of `episode_losses`, retransmissions (tail-loss probes included).
+    pub episode_losses_resent: u64,
     /// Tail-loss probes sent: nothing was acknowledged for two RTTs with packets in flight.
     pub tail_probes: u64,
     /// Retransmissions found needless: the packet was acknowledged before the resend went out, or

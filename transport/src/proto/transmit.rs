@@ -122,6 +122,7 @@ impl Connection {
         rec.sent_at = now;
         rec.tx_seq = tx_seq;
         rec.resent |= retx;
+        rec.in_episode = self.paths.episode_start().is_some();
         self.tx.tail_last = old.offset + u64::from(old.len) >= old.total;
         let repr = DataRepr {
             token: self.peer_token,
