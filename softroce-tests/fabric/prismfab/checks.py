@@ -150,7 +150,7 @@ def evaluate(scn: Scenario, runs: list[dict]) -> list[Check]:
                        + (f"; from 0.5 s after the fault it still got {100 * rec['residual_share']:.0f} % of its "
                           f"earlier rate" if rec.get("residual_share") is not None else "")) if rec else "no recovery data"
             x = recovery_in_rtts(r, base)
-            floor = fault_floor(r, base)
+            floor = metrics.fault_floor(r, base)
             if floor is not None:
                 rec_txt += (f"; the fault itself allows no better than x{floor:.2f} (its lower bound "
                             f"{r['lower_bound_fault']['seconds']:.3f} s over the fault-free CCT)")
@@ -172,17 +172,6 @@ def evaluate(scn: Scenario, runs: list[dict]) -> list[Check]:
             if fault.kind in ("blackhole", "link_down") and c.recovery_rtts_max is not None:
                 checks.append(recovery_check(fname, p, r, base, c.recovery_rtts_max))
     return checks
-
-
-def fault_floor(r: dict, base: dict | None) -> float | None:
-    """The least CCT ratio (fault / no fault) the fault run's fabric allowed: its lower bound with the
-    links broken when they broke, over the fault-free run's measured CCT. A limit below it cannot be met
-    by any policy."""
-    fb = (r.get("lower_bound_fault") or {}).get("seconds")
-    b = (base or {}).get("cct_s")
-    if not fb or not b:
-        return None
-    return fb / b
 
 
 def recovery_in_rtts(r: dict, base: dict | None) -> dict:

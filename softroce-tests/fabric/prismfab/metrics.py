@@ -297,11 +297,12 @@ def fault_lower_bound_s(spec: TopologySpec, coll: str, size: int, parts: list[di
             return [c for t0, c in st if t0 <= t][-1]
         return [(t, sum(at(st, t) for st in per_link) * 1e6 / 8) for t in times]
 
+    caps = [leaf_steps(r) for r in range(spec.rails)]
     cands = {
         "host_send": max(nic_send.values(), default=0.0) / host_bps,
         "host_recv": max(nic_recv.values(), default=0.0) / host_bps,
-        "spine_up": max((_finish_s(w, leaf_steps(r)) for r, w in enumerate(leaf_up) if w > 0), default=0.0),
-        "spine_down": max((_finish_s(w, leaf_steps(r)) for r, w in enumerate(leaf_down) if w > 0), default=0.0),
+        "spine_up": max((_finish_s(w, caps[r]) for r, w in enumerate(leaf_up) if w > 0), default=0.0),
+        "spine_down": max((_finish_s(w, caps[r]) for r, w in enumerate(leaf_down) if w > 0), default=0.0),
     }
     bottleneck = max(cands, key=cands.get)
     free = lower_bound_s(spec, coll, size, rank_rail, rails_used)
@@ -312,6 +313,17 @@ def fault_lower_bound_s(spec: TopologySpec, coll: str, size: int, parts: list[di
             "terms_s": {k: (v if math.isfinite(v) else None) for k, v in cands.items()}, "rails_used": k_used,
             "parts": [{k: p.get(k) for k in ("kind", "leaf", "spine", "at_s", "bw_mbit", "loss_pct")} for _, p in events],
             "over_fault_free_bound": (secs / free["seconds"]) if (finite and free["seconds"]) else None}
+
+
+def fault_floor(r: dict, base: dict | None) -> float | None:
+    """The least CCT ratio (fault / no fault) a fault run's fabric allowed: its lower bound with the links
+    broken when they broke (``fault_lower_bound_s``), over the fault-free run's measured CCT. A limit below
+    it cannot be met by any policy. None without either figure."""
+    fb = (r.get("lower_bound_fault") or {}).get("seconds")
+    b = (base or {}).get("cct_s")
+    if not fb or not b:
+        return None
+    return fb / b
 
 
 def spine_packets(spec: TopologySpec, netdev: dict) -> int:

@@ -95,8 +95,9 @@ def fault_bound_cell(r: dict, base: dict | None) -> str:
     if not lbf.get("finishes", True) or not fb:
         return "none: the broken fabric cannot finish it"
     cell = fmt_ms(fb)
-    if base and base.get("cct_s"):
-        cell += f" (x{fb / base['cct_s']:.2f}"
+    floor = metrics.fault_floor(r, base)
+    if floor is not None:
+        cell += f" (x{floor:.2f}"
         cell += f"; {r['cct_over_fault_bound']:.2f})" if r.get("cct_over_fault_bound") else ")"
     return cell
 

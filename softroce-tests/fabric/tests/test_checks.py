@@ -4,7 +4,7 @@ import copy
 import unittest
 from pathlib import Path
 
-from prismfab import checks
+from prismfab import checks, metrics
 from prismfab.scenario import Scenario
 
 SCENARIOS = Path(__file__).resolve().parent.parent / "scenarios"
@@ -87,9 +87,9 @@ class Acceptance(unittest.TestCase):
         c = by_name(checks.evaluate(self.scn, runs))["fault.blackhole.reps"]
         self.assertAlmostEqual(c.data["fault_floor_ratio"], 1.55)
         self.assertIn("allows no better than x1.55", c.detail)
-        self.assertEqual(checks.fault_floor(r, None), None)
-        self.assertEqual(checks.fault_floor({"lower_bound_fault": {"seconds": None, "finishes": False}},
-                                            {"cct_s": 2.0}), None)
+        self.assertEqual(metrics.fault_floor(r, None), None)
+        self.assertEqual(metrics.fault_floor({"lower_bound_fault": {"seconds": None, "finishes": False}},
+                                             {"cct_s": 2.0}), None)
         from prismfab.report import fault_bound_cell
         self.assertEqual(fault_bound_cell(r, {"cct_s": 2.0}), "3100.0 (x1.55; 0.97)")
         self.assertEqual(fault_bound_cell({"lower_bound_fault": {"seconds": None, "finishes": False}}, None),
