@@ -245,8 +245,8 @@ def cmd_run(a) -> int:
                 for p in f.policies:
                     run(wl_by[f.workload], pol_by[p])  # its baseline, if the matrix did not include it
                     run(wl_by[f.workload], pol_by[p], f)
-            # A fault check that failed only on its CCT ratio (every byte verified), or a recovery check
-            # that failed on its time, gets one more try: its baseline and its fault run again, back to
+            # A fault check that failed only on its CCT ratio (every byte verified), or a recovery or
+            # revival check that failed on its time (not a fault that never healed), gets one more try: its baseline and its fault run again, back to
             # back, because one descheduled rank on a loaded 2-core machine stretches a single run. The
             # first attempt stays in summary.json (`superseded_runs`); the checks judge the second and
             # say so.
@@ -254,7 +254,8 @@ def cmd_run(a) -> int:
             retried = set()
             for c in checks_mod.evaluate(scn, runs):
                 ratio_miss = c.name.startswith("fault.") and not c.ok and c.data.get("data_ok")
-                recovery_miss = c.name.startswith("recovery.") and not c.ok
+                recovery_miss = not c.ok and (c.name.startswith("recovery.") or (
+                    c.name.startswith("revival.") and c.data.get("heal_at_s") is not None))
                 if not (ratio_miss or recovery_miss):
                     continue
                 fname, p = c.name.split(".", 1)[1].rsplit(".", 1)
@@ -271,7 +272,7 @@ def cmd_run(a) -> int:
                 run(wl_by[f.workload], pol_by[p], again=True)
                 run(wl_by[f.workload], pol_by[p], f, again=True)
             for c in checks_mod.evaluate(scn, runs):
-                if superseded and c.name.startswith(("fault.", "recovery.")) and tuple(
+                if superseded and c.name.startswith(("fault.", "recovery.", "revival.")) and tuple(
                         c.name.split(".", 1)[1].rsplit(".", 1)) in retried:
                     c.detail += " (second attempt: the first failed)"
                 all_checks.append(c)

@@ -12,13 +12,16 @@
 * if the scenario sets ``recovery_rtts_max`` (K), under each CCT fault with a dead link every listed
   policy moves the bulk of its bytes off the dead path within K round trips of the fault: the byte
   reroute time (``recovery_bytes``) over the RTT Prism measured in the fault-free run of the same
-  workload and policy (``metrics.run_rtt_s``).
+  workload and policy (``metrics.run_rtt_s``);
+* if the scenario sets ``revive_s_max``, under each CCT fault that heals (``heal_after_s``) every listed
+  policy puts at least half of the healed link's earlier share of the spine bytes back on it within that
+  many seconds of the heal (``metrics.revival``).
 """
 
 from __future__ import annotations
 
 from . import metrics
-from .report import baseline_of, fmt_pct
+from .report import baseline_of, fmt_pct, revival_text
 from .scenario import Scenario
 from .selftest import Check
 
@@ -171,7 +174,19 @@ def evaluate(scn: Scenario, runs: list[dict]) -> list[Check]:
                                  "fault_floor_ratio": floor}))
             if fault.kind in ("blackhole", "link_down") and c.recovery_rtts_max is not None:
                 checks.append(recovery_check(fname, p, r, base, c.recovery_rtts_max))
+            if fault.heal_after_s is not None and c.revive_s_max is not None:
+                checks.append(revival_check(fname, p, r, base, c.revive_s_max))
     return checks
+
+
+def revival_check(fname: str, pol: str, r: dict, base: dict | None, s_max: float) -> Check:
+    """`revival.<fault>.<policy>`: once the fault healed, the link carried at least half its share of the
+    spine bytes from before the fault again within `s_max` seconds."""
+    rv = r.get("revival") or {}
+    got = rv.get("revived_s")
+    ok = bool(r.get("ok")) and r.get("heal_at_s") is not None and got is not None and got <= s_max
+    return Check(f"revival.{fname}.{pol}", ok, f"{revival_text(r, base)}; limit {1000 * s_max:.0f} ms",
+                 {"revival": rv, "heal_at_s": r.get("heal_at_s")})
 
 
 def recovery_in_rtts(r: dict, base: dict | None) -> dict:

@@ -14,7 +14,9 @@ A fault may carry further faults (``also``) injected in the same run, each at it
 on one spine from the start and a black hole on another later): ``inject_due`` fires each part when its
 time has come; the dead path is the primary fault's.
 
-Each fault is undone by ``clear()``, which is idempotent and also runs on teardown.
+A fault with ``heal_after_s`` is undone by ``heal()`` while the workload still runs (its ``also`` parts
+stay): a black hole's chains are flushed at both ends, a cut link is brought up and its routes
+reinstalled. Each fault is undone by ``clear()``, which is idempotent and also runs on teardown.
 """
 
 from __future__ import annotations
@@ -44,6 +46,9 @@ class Injector:
         self.active = False
         # The parts not injected yet (the fault itself and its `also`), in firing order.
         self.pending: list[Fault] = fault.parts()
+        # The primary fault was undone (``heal``), and what its rules had dropped by then.
+        self.healed = False
+        self.healed_drops = 0
 
     # --- apply / clear ----------------------------------------------------------------------------------
 
@@ -87,6 +92,25 @@ class Injector:
             raise ValueError(f"unknown fault kind {f.kind}")
         log.info("fault %s (%s) injected: leaf %s spine %s", f.name, f.kind, leaf_name(f.leaf), spine_name(f.spine))
 
+    def heal(self) -> None:
+        """Undoes the primary fault alone (a black hole or a cut link), leaving its ``also`` parts in place:
+        the link carries traffic again and the routers' routes are as before the fault."""
+        f, fab = self.fault, self.fabric
+        if self.healed or f.kind not in ("blackhole", "link_down"):
+            return
+        if f.kind == "blackhole":
+            # Its drops so far are kept: flushing the chains takes their counters with them.
+            self.healed_drops = self._drops_at([leaf_name(f.leaf), spine_name(f.spine)])
+            for node, ifname in ((fab.leaf(f.leaf), uplink_if(f.leaf, f.spine)),
+                                 (fab.spine(f.spine), downlink_if(f.spine, f.leaf))):
+                fab.sh(node, f"nft flush chain netdev {NFT_TABLE} in_{ifname.replace('-', '_')}")
+        else:
+            fab.sh(fab.leaf(f.leaf), f"ip link set {uplink_if(f.leaf, f.spine)} up")
+            fab.sh(fab.spine(f.spine), f"ip link set {downlink_if(f.spine, f.leaf)} up")
+            fab.routes()
+        self.healed = True
+        log.info("fault %s (%s) healed: leaf %s spine %s", f.name, f.kind, leaf_name(f.leaf), spine_name(f.spine))
+
     def _nft(self, node, ruleset: str) -> None:
         # One nft command line adds the table and its chain atomically.
         self.fabric.sh(node, f"nft '{ruleset}'")
@@ -114,16 +138,19 @@ class Injector:
 
     def nft_drops(self) -> int:
         """Packets the nft rules of the fault and its parts dropped so far (0 for faults without rules)."""
-        fab = self.fabric
         names = []
         for f in self.fault.parts():
             if f.kind == "blackhole":
                 names += [leaf_name(f.leaf), spine_name(f.spine)]
             elif f.kind == "loss":
                 names += [spine_name(f.spine)]
-        nodes = [n for n in fab.routers() if n.name in set(names)]
+        # After a heal the black hole's chains are empty; what they dropped before is counted once.
+        return self._drops_at(names) + self.healed_drops
+
+    def _drops_at(self, names: list[str]) -> int:
+        """Packets dropped so far by every rule of the fault table on the named routers."""
         total = 0
-        for node in nodes:
+        for node in (n for n in self.fabric.routers() if n.name in set(names)):
             out = node.cmd(f"nft -j list table netdev {NFT_TABLE} 2>/dev/null")
             total += _sum_counters(out)
         return total
@@ -142,12 +169,12 @@ class Injector:
             return up + no_routes.get(sp, 0)
         return None
 
-    def dead_path_bytes(self, netdev: dict) -> int | None:
-        """Bytes sent onto a black-holed link (both ends' transmit counters), from one sample of the
-        counters; None for other faults (a cut link's victims die in the spine for want of a route, which
-        counts packets, not bytes)."""
+    def link_bytes(self, netdev: dict) -> int | None:
+        """Bytes sent onto the faulty leaf-spine link (both ends' transmit counters) for a black hole or a
+        cut link, from one sample of the counters; None for faults without such a link. While a black
+        hole lasts they are what it swallowed; once a fault healed, what the link carries again."""
         f = self.fault
-        if f.kind != "blackhole":
+        if f.kind not in ("blackhole", "link_down"):
             return None
         lf, sp = leaf_name(f.leaf), spine_name(f.spine)
         return (netdev.get(lf, {}).get(uplink_if(f.leaf, f.spine), {}).get("tx_bytes", 0)

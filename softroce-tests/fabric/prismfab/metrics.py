@@ -263,7 +263,7 @@ def fault_lower_bound_s(spec: TopologySpec, coll: str, size: int, parts: list[di
     moment the fault-free bound starts from too). From its time on, a ``blackhole`` or ``link_down`` takes
     the leaf-spine link out both ways, a ``slow_spine`` shapes every link of its spine to `bw_mbit`, and a
     ``loss`` on a spine leaves its links `1 - loss_pct/100` of their capacity for data that arrives (what
-    is dropped was sent). Each leaf's uplinks (and downlinks) are one resource whose capacity is the sum of
+    is dropped was sent), and a ``heal`` gives a black-holed or cut link back. Each leaf's uplinks (and downlinks) are one resource whose capacity is the sum of
     its links' at each moment, filled perfectly from the first byte: no policy, however it reroutes, can
     finish before this with Prism's rail pairing. Its ratio to the fault-free bound is the least CCT ratio
     (fault / no fault) the fault allows a run that was at the bound without it."""
@@ -280,6 +280,8 @@ def fault_lower_bound_s(spec: TopologySpec, coll: str, size: int, parts: list[di
             kind = p.get("kind")
             if kind in ("blackhole", "link_down") and p.get("leaf") == r and p.get("spine") == s:
                 dead = True
+            elif kind == "heal" and p.get("leaf") == r and p.get("spine") == s:
+                dead = False
             elif kind == "slow_spine" and p.get("spine") == s:
                 bw = min(bw, float(p.get("bw_mbit") or spine_mbit))
             elif kind == "loss" and p.get("spine") == s:
@@ -346,9 +348,10 @@ def _rate(t: list[float], v: list[int], k0: int, k1: int) -> float:
 
 def recovery(t: list[float], dead: list[int], total: list[int], t_fault: float, interval_s: float,
              window_s: float = 0.1, before_s: float = 0.3, residue: float = 0.05, busy: float = 0.2,
-             min_tail: float = 0.1, settle_s: float = 0.5, hold_s: float = 0.2) -> dict:
+             min_tail: float = 0.1, settle_s: float = 0.5, hold_s: float = 0.2, until: float | None = None) -> dict:
     """How traffic left a dead path, from cumulative packet counts sampled at times `t`: `dead` entered the
-    dead path, `total` crossed the spines (dead path included).
+    dead path, `total` crossed the spines (dead path included). With `until` (the moment a fault healed)
+    only the samples up to it are judged: after it the path is no longer dead.
 
     * ``ttr_s``: from the fault to the last packet into the dead path, if that came while traffic still
       flowed elsewhere (else not recovered: the policy used the dead path until the run ended).
@@ -362,6 +365,9 @@ def recovery(t: list[float], dead: list[int], total: list[int], t_fault: float, 
       its earlier rate for `hold_s` (busy windows): when the bulk first left, even if a burst came back
       later (which ``reroute_s`` does not forgive).
     """
+    if until is not None:
+        keep = sum(1 for x in t if x <= until)
+        t, dead, total = t[:keep], dead[:keep], total[:keep]
     n = len(t)
     out: dict = {"resolution_s": interval_s, "recovered": False, "ttr_s": None, "reroute_s": None}
     if n < 2:
@@ -423,10 +429,65 @@ def recovery(t: list[float], dead: list[int], total: list[int], t_fault: float, 
     return out
 
 
-def byte_recovery(tl: dict) -> dict | None:
+def revival(t: list[float], link: list[int], total: list[int], t_fault: float, t_heal: float, interval_s: float,
+            window_s: float = 0.1, before_s: float = 0.3, share: float = 0.5, busy: float = 0.2,
+            settle_s: float = 0.3) -> dict:
+    """How traffic came back to a link after its fault healed, from cumulative byte counts sampled at times
+    `t`: `link` went onto the healed link, `total` onto every leaf-spine link (the link included). The
+    link's share of the spine bytes is compared with its share in the `before_s` before the fault, so
+    that the traffic's own ups and downs (a tail, an idle gap) do not count.
+
+    * ``revived_s``: from the heal to the start of the first `window_s` window (spines busy: at least
+      `busy` of their rate before the fault) in which the link carried at least `share` of its share
+      before the fault. None if that never happened while traffic still flowed.
+    * ``share_after``: the link's share of the bytes from `settle_s` after the heal to the end of the
+      traffic, over its share before the fault: 1 = all the way back.
+    * ``traffic_after_heal_s``: how long the spines still carried traffic after the heal (the room the
+      policy had to come back).
+    """
+    n = len(t)
+    out: dict = {"resolution_s": interval_s, "revived_s": None, "share_after": None, "share_before": None,
+                 "traffic_after_heal_s": None}
+    if n < 2:
+        return out
+    kf = max((k for k in range(n) if t[k] <= t_fault), default=0)
+    k0 = next((k for k in range(n) if t[k] >= t_fault - before_s), 0)
+    kh = next((k for k in range(n) if t[k] >= t_heal), n - 1)
+    t_end = max((t[k] for k in range(1, n) if total[k] > total[k - 1]), default=t[-1])
+    out["traffic_after_heal_s"] = max(0.0, t_end - t_heal)
+    pre_link = _rate(t, link, k0, kf) if kf > k0 else 0.0
+    pre_total = _rate(t, total, k0, kf) if kf > k0 else 0.0
+    if pre_link <= 0 or pre_total <= 0:
+        return out
+    pre_share = pre_link / pre_total
+    out["share_before"] = pre_share
+    late_link = late_total = 0.0
+    j = kh
+    for k in range(kh, n):
+        if t[k] > t_end - window_s:
+            break
+        j = max(j, k)
+        while j < n - 1 and t[j] < t[k] + window_s:
+            j += 1
+        d, tot = link[j] - link[k], total[j] - total[k]
+        if tot <= 0 or _rate(t, total, k, j) < busy * pre_total:
+            continue
+        if out["revived_s"] is None and d / tot >= share * pre_share:
+            out["revived_s"] = max(0.0, t[k] - t_heal)
+    ks = next((k for k in range(kh, n) if t[k] >= t_heal + settle_s), None)
+    ke = max((k for k in range(n) if t[k] <= t_end), default=n - 1)
+    if ks is not None and ke > ks:
+        late_link, late_total = link[ke] - link[ks], total[ke] - total[ks]
+        if late_total > 0:
+            out["share_after"] = (late_link / late_total) / pre_share
+    return out
+
+
+def byte_recovery(tl: dict, until: float | None = None) -> dict | None:
     """`recovery` by bytes instead of packets, from a run's timeline (bytes per link per window): a probe
     or a SACK weighs what it weighs, not as much as a 9 KB DATA packet. For a black hole (whose link
-    carries the bytes sent into it); None without a fault link."""
+    carries the bytes sent into it); None without a fault link. `until`: when the fault healed, on the
+    timeline's clock (seconds from the first data), if it did."""
     link = tl.get("fault_link")
     if not link or link not in tl.get("links", {}) or not tl.get("t") or tl.get("fault_t") is None:
         return None
@@ -436,7 +497,7 @@ def byte_recovery(tl: dict) -> dict | None:
     for k in range(len(tl["t"])):
         dead.append(dead[-1] + tl["links"][link][k])
         total.append(total[-1] + sum(v[k] for v in tl["links"].values()))
-    return recovery(t, dead, total, tl["fault_t"], step)
+    return recovery(t, dead, total, tl["fault_t"], step, until=until)
 
 
 # Per-connection counters of PRISM_STATS that say how a run recovered (summed over every comm of every
@@ -541,5 +602,5 @@ def dead_path_recovery(run: dict) -> dict | None:
     if rb:
         return rb
     if (run.get("fault") or {}).get("kind") in ("blackhole", "link_down"):
-        return byte_recovery(run.get("timeline") or {})
+        return byte_recovery(run.get("timeline") or {}, until=run.get("heal_at_s"))
     return None

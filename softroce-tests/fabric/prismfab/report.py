@@ -51,6 +51,8 @@ def run_row(r: dict, base: dict | None) -> dict:
                     + (f", first off {fmt_ms(fo)}" + (f" = {fo / rtt:.1f} RTTs" if rtt else "")
                        if fo is not None and fo != rr else "")
                     + f" ({100 * by['residual_share']:.0f} %)")
+    if (r.get("fault") or {}).get("heal_after_s") is not None:
+        ttr += f"; {revival_text(r, base)}"
     bal = r.get("balance") or {}
     return {
         "workload": r["workload"]["name"], "policy": r["policy"]["name"],
@@ -73,6 +75,26 @@ def run_row(r: dict, base: dict | None) -> dict:
         "rtt_ms": fmt_ms(metrics.run_rtt_s(r)),
         "ttr_ms": ttr,
     }
+
+
+def revival_text(r: dict, base: dict | None) -> str:
+    """How a healed link came back into use, in words (empty for runs without a heal)."""
+    if (r.get("fault") or {}).get("heal_after_s") is None:
+        return ""
+    if r.get("heal_at_s") is None:
+        return "the fault never healed"
+    rv = r.get("revival") or {}
+    rtt = metrics.run_rtt_s(base)
+    got = rv.get("revived_s")
+    txt = f"healed at {r['heal_at_s']:.2f} s; "
+    txt += ((f"the link carried half its earlier share again after {1000 * got:.0f} ms"
+             + (f" = {got / rtt:.1f} RTTs" if rtt else ""))
+            if got is not None else "the link never carried half its earlier share again")
+    if rv.get("share_after") is not None:
+        txt += f"; from 0.3 s after the heal it carried {100 * rv['share_after']:.0f} % of its earlier share"
+    if rv.get("traffic_after_heal_s") is not None:
+        txt += f" (traffic went on {1000 * rv['traffic_after_heal_s']:.0f} ms after the heal)"
+    return txt
 
 
 COLUMNS = [("workload", "workload"), ("policy", "policy"), ("fault", "fault"), ("ok", "data ok"),

@@ -200,6 +200,7 @@ def run_one(fab: Fabric, scn: Scenario, bins: Binaries, wl: Workload, pol: Polic
             procs.append(p)
         t_data = None
         t_fault = None
+        t_heal = None
         parts_at: list[dict] = []
         drops_at_fault = 0
         deadline = t_start + scn.timeout_s + 30
@@ -232,7 +233,14 @@ def run_one(fab: Fabric, scn: Scenario, bins: Binaries, wl: Workload, pol: Polic
                                      "loss_pct": part.loss_pct})
                     if part is fault:
                         t_fault = t_part
-            time.sleep(0.005 if (injector and injector.pending) else 0.05)
+            heal_due = bool(injector and fault.heal_after_s is not None and not injector.healed)
+            if heal_due and t_fault is not None and now - t_fault >= fault.heal_after_s:
+                injector.heal()
+                t_heal = time.monotonic()
+                # The fabric's bound under the fault gets its link back from here on.
+                parts_at.append({"kind": "heal", "spine": fault.spine, "leaf": fault.leaf,
+                                 "at_s": round(t_heal - t_data, 4)})
+            time.sleep(0.005 if (injector and (injector.pending or heal_due)) else 0.05)
         t_end = time.monotonic()
     finally:
         for p in procs:
@@ -335,16 +343,27 @@ def run_one(fab: Fabric, scn: Scenario, bins: Binaries, wl: Workload, pol: Polic
             res["ok"] = False
             res["errors"].append("the fault never fired (the run ended before data flowed for at_s seconds)")
         else:
+            # How traffic left the dead path is judged while it was dead (until the heal, if any).
             dead = [injector.dead_path_packets(nd, nr) for nd, nr in zip(series.netdev, series.no_routes)]
             if dead and dead[0] is not None:
                 total = [metrics.spine_packets(spec, nd) for nd in series.netdev]
-                res["recovery"] = metrics.recovery(series.t, dead, total, t_fault, sample_interval_s)
-            dead_b = [injector.dead_path_bytes(nd) for nd in series.netdev]
+                res["recovery"] = metrics.recovery(series.t, dead, total, t_fault, sample_interval_s, until=t_heal)
+            dead_b = [injector.link_bytes(nd) for nd in series.netdev]
             if dead_b and dead_b[0] is not None:
                 # The same measure by bytes, at the sampling resolution (10 ms): when the bulk of the
                 # data left the dead path; probes and control packets weigh what they weigh.
                 total_b = [metrics.spine_bytes_total(spec, nd) for nd in series.netdev]
-                res["recovery_bytes"] = metrics.recovery(series.t, dead_b, total_b, t_fault, sample_interval_s)
+                if fault.kind == "blackhole":
+                    res["recovery_bytes"] = metrics.recovery(series.t, dead_b, total_b, t_fault, sample_interval_s,
+                                                             until=t_heal)
+                if fault.heal_after_s is not None:
+                    res["heal_at_s"] = (t_heal - t_data) if t_heal is not None else None
+                    if t_heal is None:
+                        res["ok"] = False
+                        res["errors"].append("the fault never healed (the run ended before heal_after_s)")
+                    else:
+                        res["revival"] = metrics.revival(series.t, dead_b, total_b, t_fault, t_heal,
+                                                         sample_interval_s)
     # The per-link byte series (10 ms) are kept for the charts of the report, thinned to 50 ms.
     res["timeline"] = timeline(spec, series, t_data or t_start, step_s=0.05)
     if t_fault is not None and t_data is not None:

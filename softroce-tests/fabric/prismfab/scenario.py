@@ -234,6 +234,10 @@ class Fault:
     (that link silently drops every IPv4 packet in both directions; links stay up, routers do not notice),
     ``loss`` (random loss of ``loss_pct`` percent on every port of the spine, nft numgen), ``slow_spine``
     (every link of the spine shaped down to ``bw_mbit``).
+
+    ``heal_after_s`` (black hole or cut link only): the fault is undone that many seconds after it fired,
+    while the workload still runs, and the run measures how soon the policy puts its bytes back on the
+    healed link (``metrics.revival``).
     """
 
     name: str
@@ -254,6 +258,8 @@ class Fault:
     also: list["Fault"] = field(default_factory=list)
     # Overrides checks.cct_ratio_max for this fault (None: the scenario's).
     cct_ratio_max: float | None = None
+    # Seconds after the fault fired at which it is undone (None: it lasts to the end of the run).
+    heal_after_s: float | None = None
 
     PART_FIELDS = {"kind", "spine", "leaf", "at_s", "loss_pct", "bw_mbit"}
 
@@ -282,7 +288,7 @@ class Fault:
     def from_json(cls, d: dict, where: str) -> "Fault":
         """Reads and checks one entry of `faults`."""
         _only(d, where, {"name", "kind", "workload", "policies", "spine", "leaf", "at_s", "loss_pct", "bw_mbit",
-                         "expect", "also", "cct_ratio_max"})
+                         "expect", "also", "cct_ratio_max", "heal_after_s"})
         expect = d.get("expect", "complete")
         if expect not in ("complete", "report"):
             raise ScenarioError(f"{where}.expect={expect!r}: complete or report")
@@ -309,6 +315,11 @@ class Fault:
         )
         if "cct_ratio_max" in d:
             f.cct_ratio_max = float(_num(d, "cct_ratio_max", where, 1.0, 100.0, integer=False))
+        if d.get("heal_after_s") is not None:
+            if kind not in ("blackhole", "link_down"):
+                raise ScenarioError(f"{where}.heal_after_s: only a blackhole or link_down heals (a dead link "
+                                    f"whose return the run can measure), not {kind}")
+            f.heal_after_s = float(_num(d, "heal_after_s", where, 0.01, 600.0, integer=False))
         also = d.get("also", [])
         if not isinstance(also, list):
             raise ScenarioError(f"{where}.also: a list of faults (kind, spine, leaf, at_s, loss_pct, bw_mbit)")
@@ -348,6 +359,10 @@ class Checks:
     # Under those faults (with a dead link), the bulk of the bytes must leave the dead path within this
     # many round trips of the fault (None: reported, not asserted).
     recovery_rtts_max: float | None = None
+    # Under those faults that heal (``heal_after_s``), the healed link must carry at least half its
+    # share of the spine bytes from before the fault again within this many seconds of the heal (None:
+    # reported, not asserted).
+    revive_s_max: float | None = None
     # Policies whose every busy leaf must spread its uplink bytes within `spread_max` (max/min - 1) on
     # `spread_workload` (Ethereal's claim); every other policy's spread on that workload is reported next
     # to it.
@@ -359,7 +374,7 @@ class Checks:
     def from_json(cls, d: dict, where: str = "checks") -> "Checks":
         """Reads and checks the `checks` object."""
         _only(d, where, {"balanced_policies", "pinned_policy", "pinned_workload", "balance_workload",
-                         "balance_tolerance", "cct_faults", "cct_ratio_max", "recovery_rtts_max",
+                         "balance_tolerance", "cct_faults", "cct_ratio_max", "recovery_rtts_max", "revive_s_max",
                          "spread_policies", "spread_workload", "spread_max"})
         c = cls()
         for k in ("balanced_policies", "cct_faults", "spread_policies"):
@@ -380,6 +395,8 @@ class Checks:
             raise ScenarioError(f"{where}.spread_workload: needed with spread_policies (the workload they are judged on)")
         if d.get("recovery_rtts_max") is not None:
             c.recovery_rtts_max = float(_num(d, "recovery_rtts_max", where, 0.1, 10000.0, integer=False))
+        if d.get("revive_s_max") is not None:
+            c.revive_s_max = float(_num(d, "revive_s_max", where, 0.01, 600.0, integer=False))
         return c
 
 

@@ -11,13 +11,15 @@ SCENARIOS = Path(__file__).resolve().parent.parent / "scenarios"
 
 
 def run(wl, pol, fault=None, ok=True, cct=1.0, spine=(50, 50), uplinks=None, expect="complete", moment=0.05,
-        reroute_b=0.09, rtt_us=30_000):
+        reroute_b=0.09, rtt_us=30_000, revived=None):
     uplinks = uplinks or {"0": [25, 25], "1": [25, 25]}
     from prismfab.metrics import imbalance
 
-    return {
+    heal = {"heal_at_s": 0.8, "revival": {"revived_s": revived, "share_after": 0.9, "traffic_after_heal_s": 1.5}} \
+        if fault and fault.endswith("_heal") else {}
+    return heal | {
         "label": f"{wl}/{pol}" + (f"/{fault}" if fault else ""), "workload": {"name": wl}, "policy": {"name": pol},
-        "fault": {"name": fault, "expect": expect} if fault else None, "ok": ok, "errors": [] if ok else ["rank 1 failed"],
+        "fault": ({"name": fault, "expect": expect} | ({"heal_after_s": 0.5} if heal else {})) if fault else None, "ok": ok, "errors": [] if ok else ["rank 1 failed"],
         "cct_s": cct,
         "balance": {"spine_bytes": list(spine), "spine_imbalance": imbalance(list(spine)),
                     "leaf_uplink_bytes": uplinks,
@@ -36,8 +38,10 @@ def good_runs():
         runs.append(run("alltoall", p))
         runs.append(run("few_flows", p, moment=1.0 if p == "ecmp" else 0.05))
         runs.append(run("alltoall_f", p, cct=2.0))
+        runs.append(run("alltoall_h", p, cct=4.0))
     for p in ("reps", "pro", "spray", "dr"):
         runs.append(run("alltoall_f", p, fault="blackhole", cct=3.0))
+        runs.append(run("alltoall_h", p, fault="blackhole_heal", cct=5.0, revived=0.2))
     return runs
 
 
@@ -159,6 +163,45 @@ class Acceptance(unittest.TestCase):
 
 if __name__ == "__main__":
     unittest.main()
+
+
+class Revival(unittest.TestCase):
+    scn = Scenario.load(SCENARIOS / "ci.json")
+
+    def test_ci_asserts_every_black_hole_policy_comes_back_to_the_healed_link_within_a_second(self):
+        cs = by_name(checks.evaluate(self.scn, good_runs()))
+        self.assertEqual(self.scn.checks.revive_s_max, 1.0)
+        for p in ("reps", "pro", "spray", "dr"):
+            c = cs[f"revival.blackhole_heal.{p}"]
+            self.assertTrue(c.ok, c.detail)
+            self.assertIn("half its earlier share again after 200 ms = 6.7 RTTs", c.detail)
+            # The heal fault's runs get the CCT and recovery checks of any black hole as well.
+            self.assertIn(f"fault.blackhole_heal.{p}", cs)
+            self.assertIn(f"recovery.blackhole_heal.{p}", cs)
+        self.assertFalse(any(n.startswith("revival.blackhole.") for n in cs))
+
+    def replaced(self, **kw):
+        runs = [r for r in good_runs() if r["label"] != "alltoall_h/pro/blackhole_heal"]
+        return runs + [run("alltoall_h", "pro", fault="blackhole_heal", cct=5.0, **kw)]
+
+    def test_too_late_or_never_fails_and_says_so(self):
+        c = by_name(checks.evaluate(self.scn, self.replaced(revived=1.2)))["revival.blackhole_heal.pro"]
+        self.assertFalse(c.ok)
+        self.assertIn("limit 1000 ms", c.detail)
+        c = by_name(checks.evaluate(self.scn, self.replaced(revived=None)))["revival.blackhole_heal.pro"]
+        self.assertFalse(c.ok)
+        self.assertIn("never carried half its earlier share again", c.detail)
+
+    def test_wrong_data_fails_the_revival_too(self):
+        c = by_name(checks.evaluate(self.scn, self.replaced(revived=0.1, ok=False)))["revival.blackhole_heal.pro"]
+        self.assertFalse(c.ok)
+
+    def test_a_fault_that_never_healed_fails(self):
+        runs = self.replaced(revived=0.1)
+        del runs[-1]["heal_at_s"]
+        c = by_name(checks.evaluate(self.scn, runs))["revival.blackhole_heal.pro"]
+        self.assertFalse(c.ok)
+        self.assertIn("the fault never healed", c.detail)
 
 
 class UplinkSpread(unittest.TestCase):

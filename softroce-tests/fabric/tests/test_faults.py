@@ -104,9 +104,44 @@ class CombinedFault(unittest.TestCase):
         nd = {"lf0": {"lf0-sp2": {"tx_packets": 3, "tx_bytes": 300}, "lf0-sp1": {"tx_packets": 50, "tx_bytes": 5000}},
               "sp2": {"sp2-lf0": {"tx_packets": 4, "tx_bytes": 400}}}
         self.assertEqual(inj.dead_path_packets(nd, {}), 7)
-        self.assertEqual(inj.dead_path_bytes(nd), 700)
+        self.assertEqual(inj.link_bytes(nd), 700)
+        cut = Injector(FakeFabric(), Fault("c", "link_down", "w", ["spray"], spine=2, leaf=0))
+        self.assertEqual(cut.link_bytes(nd), 700)
         loss = Injector(FakeFabric(), Fault("l", "loss", "w", ["spray"], spine=1))
-        self.assertIsNone(loss.dead_path_bytes(nd))
+        self.assertIsNone(loss.link_bytes(nd))
+
+
+class Heal(unittest.TestCase):
+    def test_a_healed_black_hole_empties_its_own_chains_and_keeps_the_loss_part(self):
+        fab = FakeFabric()
+        inj = Injector(fab, loss_then_blackhole())
+        inj.inject()
+        n = len(fab.log)
+        inj.heal()
+        healed = fab.log[n:]
+        self.assertEqual(healed, [("lf0", "nft flush chain netdev prismfab_fault in_lf0_sp2"),
+                                  ("sp2", "nft flush chain netdev prismfab_fault in_sp2_lf0")])
+        self.assertTrue(inj.healed)
+        inj.heal()  # once only
+        self.assertEqual(len(fab.log), n + 2)
+
+    def test_a_healed_cut_link_comes_up_at_both_ends_with_its_routes(self):
+        fab = FakeFabric()
+        inj = Injector(fab, Fault("c", "link_down", "w", ["spray"], spine=1, leaf=1))
+        inj.inject()
+        n = len(fab.log)
+        inj.heal()
+        self.assertEqual(fab.log[n:], [("lf1", "ip link set lf1-sp1 up"), ("sp1", "ip link set sp1-lf1 up")])
+        self.assertEqual(fab.routes_calls, 1)
+
+    def test_faults_without_a_dead_link_do_not_heal(self):
+        fab = FakeFabric()
+        inj = Injector(fab, Fault("l", "loss", "w", ["spray"], spine=1))
+        inj.inject()
+        n = len(fab.log)
+        inj.heal()
+        self.assertEqual(len(fab.log), n)
+        self.assertFalse(inj.healed)
 
 
 if __name__ == "__main__":

@@ -212,6 +212,18 @@ class TrafficAndBound(unittest.TestCase):
         self.assertAlmostEqual(fb["terms_s"]["spine_up"], 0.4 + (w - done) / c2)
         self.assertEqual([p["kind"] for p in fb["parts"]], ["loss", "blackhole"])
 
+    def test_a_healed_link_counts_again_from_the_heal(self):
+        # ci.json's black hole healed 0.2 s later: 25 MB/s until 0.3 s, 12.5 until 0.5 s, 25 again.
+        spec = TopologySpec(hosts=4, rails=2, spines=2, host_bw_mbit=100, spine_bw_mbit=100)
+        parts = [{"kind": "blackhole", "leaf": 0, "spine": 0, "at_s": 0.3},
+                 {"kind": "heal", "leaf": 0, "spine": 0, "at_s": 0.5}]
+        fb = metrics.fault_lower_bound_s(spec, "alltoall", 16 << 20, parts)
+        self.assertAlmostEqual(fb["seconds"], 0.5 + ((16 << 20) - 0.3 * 25e6 - 0.2 * 12.5e6) / 25e6)
+        # A heal of another link gives nothing back.
+        other = parts[:1] + [{"kind": "heal", "leaf": 1, "spine": 0, "at_s": 0.5}]
+        self.assertAlmostEqual(metrics.fault_lower_bound_s(spec, "alltoall", 16 << 20, other)["seconds"],
+                               metrics.fault_lower_bound_s(spec, "alltoall", 16 << 20, parts[:1])["seconds"])
+
 
 def series(rate_dead, rate_other, n=200, dt=0.01):
     """Cumulative counts from per-sample increments given as functions of time."""
@@ -293,6 +305,54 @@ class Recovery(unittest.TestCase):
         r = metrics.recovery(t, dead, total, 0.5, 0.01)
         self.assertIsNone(r["reroute_s"])
         self.assertEqual(r["ttr_s"], 0.0)
+
+
+    def test_with_a_heal_only_the_time_before_it_is_judged(self):
+        # Left 0.2 s after the fault at 0.5 s; the fault heals at 1.2 s and the path is used again.
+        t, dead, total = series(lambda x: 10 if x <= 0.7 or x > 1.25 else 0, lambda x: 10)
+        self.assertIsNone(metrics.recovery(t, dead, total, 0.5, 0.01)["reroute_s"])
+        r = metrics.recovery(t, dead, total, 0.5, 0.01, until=1.2)
+        self.assertAlmostEqual(r["reroute_s"], 0.2, delta=0.011)
+        self.assertTrue(r["recovered"])
+
+
+class Revival(unittest.TestCase):
+    # Before the fault (0.5 s) the link carries 10 of every 40 bytes (a quarter); the fault heals at 1.0 s.
+    def test_the_link_back_at_its_share_after_the_time_it_took(self):
+        t, link, total = series(lambda x: 10 if x <= 0.5 or x > 1.15 else 0, lambda x: 30)
+        r = metrics.revival(t, link, total, 0.5, 1.0, 0.01)
+        self.assertAlmostEqual(r["share_before"], 0.25)
+        # The first 100 ms window with at least half the earlier share (a window is a tenth of a second:
+        # 5 of its 10 samples on the link) starts about 50 ms before the link is fully back, i.e. about
+        # 0.10 s after the heal (to a sample or two: 10 ms sampling).
+        self.assertAlmostEqual(r["revived_s"], 0.10, delta=0.025)
+        self.assertAlmostEqual(r["share_after"], 1.0, delta=0.01)
+        self.assertAlmostEqual(r["traffic_after_heal_s"], 0.99, delta=0.011)
+
+    def test_a_link_left_alone_after_the_heal_never_revives(self):
+        t, link, total = series(lambda x: 10 if x <= 0.5 else (1 if round(x * 100) % 10 == 0 else 0),
+                                lambda x: 30)
+        r = metrics.revival(t, link, total, 0.5, 1.0, 0.01)
+        self.assertIsNone(r["revived_s"])
+        self.assertLess(r["share_after"], 0.5)
+
+    def test_traffic_that_ends_at_the_heal_leaves_nothing_to_judge(self):
+        t, link, total = series(lambda x: 10 if x <= 0.5 else 0, lambda x: 30 if x <= 1.0 else 0)
+        r = metrics.revival(t, link, total, 0.5, 1.0, 0.01)
+        self.assertIsNone(r["revived_s"])
+        self.assertEqual(r["traffic_after_heal_s"], 0.0)
+
+    def test_a_smaller_total_after_the_heal_is_judged_by_share_not_by_rate(self):
+        # After the heal everything runs at a third of the rate (a tail): the link's share is what counts.
+        t, link, total = series(lambda x: 10 if x <= 0.5 else (2 if x > 1.0 else 0),
+                                lambda x: 30 if x <= 1.0 else 4)
+        r = metrics.revival(t, link, total, 0.5, 1.0, 0.01)
+        self.assertIsNone(r["revived_s"])  # under 20 % of the earlier spine rate: not busy, not judged
+        t, link, total = series(lambda x: 10 if x <= 0.5 else (4 if x > 1.0 else 0),
+                                lambda x: 30 if x <= 1.0 else 20)
+        r = metrics.revival(t, link, total, 0.5, 1.0, 0.01)
+        self.assertAlmostEqual(r["revived_s"], 0.0, delta=0.011)
+        self.assertAlmostEqual(r["share_after"], (4 / 24) / 0.25, delta=0.01)
 
 
 class Stats(unittest.TestCase):
@@ -385,6 +445,11 @@ class DeadPathRecovery(unittest.TestCase):
         self.assertAlmostEqual(metrics.dead_path_recovery({"fault": {"kind": "blackhole"}, "timeline": tl})["reroute_s"],
                                0.0, places=2)
         self.assertIsNone(metrics.dead_path_recovery({"fault": {"kind": "loss"}, "timeline": tl}))
+        # A cut link that healed at 2.0 s and carries traffic again: judged up to the heal only.
+        tl["links"]["a"] = [100_000 if x <= 1.0 or x > 2.0 else 0 for x in t]
+        cut = {"fault": {"kind": "link_down"}, "timeline": tl}
+        self.assertIsNone(metrics.dead_path_recovery(cut)["reroute_s"])
+        self.assertAlmostEqual(metrics.dead_path_recovery({**cut, "heal_at_s": 2.0})["reroute_s"], 0.0, places=2)
 
     def test_spine_bytes_total_counts_both_ends_of_every_link(self):
         spec = TopologySpec(hosts=2, rails=2, spines=3)

@@ -70,6 +70,24 @@ class CombinedFaults(unittest.TestCase):
             Scenario.from_json(self.fault([{"kind": "loss", "spine": 1, "name": "x"}]))
         self.assertIn("faults[0].also[0]: unknown field(s) name", str(cm.exception))
 
+    def test_a_black_hole_or_a_cut_link_may_heal_and_nothing_else(self):
+        d = self.fault([], heal_after_s=0.5)
+        d["checks"]["revive_s_max"] = 0.75
+        scn = Scenario.from_json(d)
+        self.assertEqual((scn.faults[0].heal_after_s, scn.checks.revive_s_max), (0.5, 0.75))
+        self.assertIsNone(Scenario.from_json(self.fault([])).faults[0].heal_after_s)
+        self.assertEqual(Scenario.from_json(self.fault([], kind="link_down", heal_after_s=1)).faults[0].heal_after_s, 1.0)
+        with self.assertRaises(ScenarioError) as cm:
+            Scenario.from_json(self.fault([], kind="loss", heal_after_s=0.5))
+        self.assertIn("faults[0].heal_after_s: only a blackhole or link_down heals", str(cm.exception))
+        with self.assertRaises(ScenarioError) as cm:
+            Scenario.from_json(self.fault([], heal_after_s=0))
+        self.assertIn("faults[0].heal_after_s", str(cm.exception))
+        d["checks"]["revive_s_max"] = "soon"
+        with self.assertRaises(ScenarioError) as cm:
+            Scenario.from_json(d)
+        self.assertIn("checks.revive_s_max", str(cm.exception))
+
     def test_recovery_limit_and_a_faults_own_ratio_are_read(self):
         d = self.fault([], cct_ratio_max=1.3)
         d["checks"]["recovery_rtts_max"] = 6
