@@ -61,8 +61,9 @@ struct Link {
     blackhole: Option<(u16, Micros, Micros)>,
     /// Entropies whose packets always vanish.
     dead: Vec<u16>,
-    /// Entropies whose packets vanish from the given time on (a failed spine: many entropies at once).
-    holes: (Vec<u16>, Micros),
+    /// Entropies whose packets vanish from the first time until the second (a failed spine: many
+    /// entropies at once; `Micros::MAX`: for good).
+    holes: (Vec<u16>, Micros, Micros),
     /// The first this many CTS packets vanish.
     lost_cts: u64,
 }
@@ -77,7 +78,7 @@ impl Default for Link {
             path_spread_us: 0,
             blackhole: None,
             dead: Vec::new(),
-            holes: (Vec::new(), Micros::MAX),
+            holes: (Vec::new(), Micros::MAX, Micros::MAX),
             lost_cts: 0,
         }
     }
@@ -279,7 +280,7 @@ impl Sim {
         let left = done / 1000;
         if link.blackhole.is_some_and(|(e, from, until)| e == entropy && (from..until).contains(&left))
             || link.dead.contains(&entropy)
-            || (left >= link.holes.1 && link.holes.0.contains(&entropy))
+            || ((link.holes.1..link.holes.2).contains(&left) && link.holes.0.contains(&entropy))
         {
             ls.blackholed += 1;
             return;
@@ -969,7 +970,7 @@ fn half_the_paths_black_holed_both_ways_carry_nothing_but_paced_probes_soon_afte
         let cfg = ProtoConfig { n_paths: 1024, ..ProtoConfig::default() };
         let holes: Vec<u16> = (0..cfg.n_paths).filter(|e| e % 2 == 1).collect();
         const T: Micros = 2_000;
-        let l = Link { holes: (holes.clone(), T), ..Link::default() };
+        let l = Link { holes: (holes.clone(), T, Micros::MAX), ..Link::default() };
         let mut sim = Sim::new(seed, &cfg, [l.clone(), l]);
         let groups: Vec<Vec<Msg>> = (0..48).map(|i| vec![m(4 * MIB, 4 * MIB, i)]).collect();
         let posted = post(&mut sim, &groups);
@@ -1022,6 +1023,64 @@ fn half_the_paths_black_holed_both_ways_carry_nothing_but_paced_probes_soon_afte
         assert!(most <= 1_000_000 / (4 * cfg.rto_min_us) + 1, "a dead path got {most} probes in 1 s");
         assert_eq!(into_holes(&sim, A, PacketType::Data, t0), 0, "DATA went into a black-holed path after a probe");
         assert_eq!(into_holes(&sim, B, PacketType::Sack, t0), 0, "a SACK went into a black-holed path late");
+    });
+}
+
+#[test]
+fn a_failed_spine_that_heals_is_used_again_within_a_probe_wait_of_the_first_revival() {
+    // Half of 128 entropies (a spine) drop everything from `T` until `H`, long enough for the sender to
+    // declare them dead. After `H` the first of them to answer a probe proves the failure over: every
+    // other dead path is probed at once (not one per RTO in turn, with waits of up to 100 ms each),
+    // so all of them are alive again within a probe wait of that first revival, and carry DATA again.
+    seeded(7, |seed| {
+        let cfg = ProtoConfig { n_paths: 128, ..ProtoConfig::default() };
+        let holes: Vec<u16> = (0..cfg.n_paths).filter(|e| e % 2 == 1).collect();
+        const T: Micros = 2_000;
+        const H: Micros = 400_000;
+        let l = Link { holes: (holes.clone(), T, H), ..Link::default() };
+        let mut sim = Sim::new(seed, &cfg, [l.clone(), l]);
+        let groups: Vec<Vec<Msg>> = (0..48).map(|i| vec![m(4 * MIB, 4 * MIB, i)]).collect();
+        let posted = post(&mut sim, &groups);
+        sim.run_until(60_000_000, |s| all_done(s, &posted));
+        verify(&sim, &posted);
+        assert!(sim.now < H, "the transfer outlasted the failure ({} µs): the test needs it done before", sim.now);
+        // Work stays outstanding (a send whose receive comes late), so the paths' timers keep running
+        // through the heal: dead paths are probed, paced, and stay dead until `H`.
+        let send = sim.post_send(MIB, 42, 1000);
+        sim.run_until(H, |s| s.next_event().unwrap_or(Micros::MAX) > H);
+        let dead: Vec<u16> = holes.iter().copied().filter(|&h| sim.stats(A).paths[h as usize].state == PathHealth::Dead).collect();
+        assert!(dead.len() >= holes.len() / 2, "only {} of {} black-holed paths were dead at the heal", dead.len(), holes.len());
+        let horizon = H + 2 * cfg.path_revive_us + 100_000;
+        let (mut first, mut all) = (None, None);
+        sim.run_until(horizon, |s| {
+            let alive = dead.iter().filter(|&&h| s.stats(A).paths[h as usize].state == PathHealth::Alive).count();
+            if alive > 0 && first.is_none() {
+                first = Some(s.now);
+            }
+            if alive == dead.len() {
+                all = Some(s.now);
+            }
+            all.is_some() || s.next_event().unwrap_or(Micros::MAX) > horizon
+        });
+        let first = first.expect("no dead path came back after the heal");
+        assert!(first >= H && first <= H + cfg.path_revive_us + cfg.rto_initial_us, "first revival at {first} µs, heal at {H} µs");
+        let all = all.unwrap_or_else(|| {
+            let back = dead.iter().filter(|&&h| sim.stats(A).paths[h as usize].state == PathHealth::Alive).count();
+            panic!("{back} of {} dead paths alive again by {horizon} µs (first at {first} µs)", dead.len())
+        });
+        // The PINGs go out at once and come back in a round trip (~10 µs; measured 12 µs over seeds 7-9).
+        // Half the minimum RTO bounds it with room to spare; probing one dead path per RTO in turn took
+        // 126 ms here, and answering only the last of a burst of PINGs left 58 of the 64 dead.
+        assert!(all - first <= cfg.rto_min_us / 2, "every dead path alive {} µs after the first revival", all - first);
+        // And they carry DATA again.
+        let t0 = sim.now;
+        let recv = sim.post_recv(&[RecvSpec { len: MIB, tag: 42 }]);
+        let (a, b) = (sim.completed(A), sim.completed(B));
+        sim.run_until(t0 + 10_000_000, |s| s.completed(A) > a && s.completed(B) > b);
+        verify(&sim, &Posted { recvs: vec![(recv, vec![m(MIB, MIB, 42)], vec![1000])], sends: vec![(send, MIB)] });
+        let used: BTreeSet<u16> =
+            sim.data_log.iter().filter(|d| d.queued_at >= t0 && dead.contains(&d.entropy)).map(|d| d.entropy).collect();
+        assert!(used.len() >= dead.len() / 2, "only {} of {} revived paths carried DATA of a 1 MiB send", used.len(), dead.len());
     });
 }
 
@@ -1272,12 +1331,12 @@ fn a_window_cut_below_what_is_in_flight_during_an_outage_does_not_hold_the_probe
         sim.links[A].loss = 0.3;
         sim.run_until(1_000_000, |s| s.data_log.iter().filter(|d| !d.retx).count() as u64 >= pkts);
         let outage = sim.now;
-        sim.links[A].holes = ((0..cfg.n_paths).collect(), outage);
+        sim.links[A].holes = ((0..cfg.n_paths).collect(), outage, Micros::MAX);
         sim.ends[A].conn.set_window_pkts(2);
         sim.run_until(1_000_000, |s| s.now >= outage + 2_000 || all_done(s, &posted));
         assert!(sim.link_stats[A].blackholed >= 2, "the outage swallowed {} packets", sim.link_stats[A].blackholed);
         sim.links[A].loss = 0.0;
-        sim.links[A].holes = (Vec::new(), Micros::MAX);
+        sim.links[A].holes = (Vec::new(), Micros::MAX, Micros::MAX);
         let back = sim.now;
         sim.run_until(1_000_000, |s| all_done(s, &posted));
         verify(&sim, &posted);
@@ -1333,7 +1392,7 @@ fn a_failure_while_an_earlier_one_lingers_is_dated_anew() {
         let cfg = ProtoConfig { n_paths: 1024, ..ProtoConfig::default() };
         let holes: Vec<u16> = (0..cfg.n_paths).filter(|e| e % 2 == 1).collect();
         const T: Micros = 8_000;
-        let l = Link { dead: vec![2], holes: (holes.clone(), T), ..Link::default() };
+        let l = Link { dead: vec![2], holes: (holes.clone(), T, Micros::MAX), ..Link::default() };
         let mut sim = Sim::new(seed, &cfg, [l.clone(), l]);
         let groups: Vec<Vec<Msg>> = (0..48).map(|i| vec![m(8 * MIB, 8 * MIB, i)]).collect();
         let posted = post(&mut sim, &groups);

@@ -83,7 +83,10 @@ pub struct Connection {
     work_since: Option<Micros>,
     last_ping_at: Option<Micros>,
     ping_due: bool,
-    pong_due: Option<(u16, u32)>,
+    /// PINGs to answer (entropy, timestamp), oldest first: one per entropy (a newer PING replaces
+    /// the timestamp), at most `n_paths` (a burst of probes, e.g. after a failure ended, is
+    /// answered in full; a peer cannot make it grow beyond that).
+    pong_due: VecDeque<(u16, u32)>,
     /// Start times of sends the driver set (`gate.rs`).
     pub(super) gates: StartGates,
 }
@@ -129,7 +132,7 @@ impl Connection {
             work_since: None,
             last_ping_at: None,
             ping_due: false,
-            pong_due: None,
+            pong_due: VecDeque::new(),
             gates: StartGates::default(),
         }
     }
@@ -302,7 +305,13 @@ impl Connection {
         self.on_cum_ack(c.cum_psn, now);
         match c.kind {
             ControlKind::Ack => {}
-            ControlKind::Ping => self.pong_due = Some((c.entropy, c.ts_us)),
+            ControlKind::Ping => {
+                if let Some(due) = self.pong_due.iter_mut().find(|(e, _)| *e == c.entropy) {
+                    due.1 = c.ts_us;
+                } else if self.pong_due.len() < usize::from(self.cfg.n_paths) {
+                    self.pong_due.push_back((c.entropy, c.ts_us));
+                }
+            }
             ControlKind::Pong => {
                 let rtt = (now as u32).wrapping_sub(c.ts_us);
                 if rtt <= i32::MAX as u32 {
@@ -323,7 +332,7 @@ impl Connection {
             self.completions.push_back(Completion::Failed { msg, error: error.clone() });
         }
         self.ping_due = false;
-        self.pong_due = None;
+        self.pong_due.clear();
         self.paths.clear_in_flight(&mut self.stats.paths);
         self.clear_gates();
         self.work_since = None;
@@ -471,9 +480,9 @@ impl Connection {
         if let Some(t) = self.poll_sack(out) {
             return Some(t);
         }
-        if let Some((entropy, ts)) = self.pong_due {
+        if let Some(&(entropy, ts)) = self.pong_due.front() {
             let t = self.emit_control(ControlKind::Pong, Some((entropy % self.cfg.n_paths, entropy, ts)), out)?;
-            self.pong_due = None;
+            self.pong_due.pop_front();
             return Some(t);
         }
         if self.paths.probe_pending() && out.len() >= crate::wire::CONTROL_LEN {
@@ -579,15 +588,60 @@ mod tests {
 
     #[test]
     fn idle_connection_arms_no_timer_and_sends_nothing() {
-        struct NoPayload;
-        impl PayloadSource for NoPayload {
-            fn read(&mut self, _: MsgId, _: u64, _: &mut [u8]) {
-                panic!("nothing to read")
-            }
-        }
         let mut c = conn();
         assert_eq!(c.poll_timeout(), None);
         assert_eq!(c.poll_transmit(2_000, &mut NoPayload, &mut [0u8; 256]), None);
+    }
+
+    struct NoPayload;
+    impl PayloadSource for NoPayload {
+        fn read(&mut self, _: MsgId, _: u64, _: &mut [u8]) {
+            panic!("nothing to read")
+        }
+    }
+
+    fn ping(entropy: u16, ts_us: u32) -> ControlRepr {
+        ControlRepr { token: 1, cts_ack: 0, kind: ControlKind::Ping, entropy, ts_us, cum_psn: 0 }
+    }
+
+    /// Every PONG `c` sends now: (path, entropy echoed, timestamp echoed).
+    fn pongs(c: &mut Connection, now: Micros) -> Vec<(u16, u16, u32)> {
+        let mut out = Vec::new();
+        let mut buf = [0u8; 256];
+        while let Some(t) = c.poll_transmit(now, &mut NoPayload, &mut buf) {
+            let r = ControlRepr::parse(&ControlPacket::new_checked(&buf[..t.len]).unwrap()).unwrap();
+            assert_eq!(r.kind, ControlKind::Pong);
+            out.push((t.entropy, r.entropy, r.ts_us));
+        }
+        out
+    }
+
+    #[test]
+    fn a_burst_of_pings_is_answered_in_full_one_pong_per_entropy() {
+        // A failure ends and the peer probes every path it had given up at once: each PING gets its
+        // PONG on its own path, not just the last one to arrive.
+        let mut c = conn();
+        for e in 0..16 {
+            c.on_control(&ping(e, 100 + u32::from(e)), 2_000);
+        }
+        // A second PING on a path whose PONG has not left yet: one PONG, with the newer timestamp.
+        c.on_control(&ping(3, 999), 2_000);
+        let got = pongs(&mut c, 2_000);
+        let want: Vec<_> = (0..16).map(|e| (e, e, if e == 3 { 999 } else { 100 + u32::from(e) })).collect();
+        assert_eq!(got, want);
+    }
+
+    #[test]
+    fn pings_cannot_grow_the_pong_queue_past_the_paths() {
+        let mut c = conn();
+        let n = ProtoConfig::default().n_paths;
+        for e in 0..u16::MAX {
+            c.on_control(&ping(e, 1), 2_000);
+        }
+        assert_eq!(c.pong_due.len(), usize::from(n));
+        let got = pongs(&mut c, 2_000);
+        assert_eq!(got.len(), usize::from(n));
+        assert!(got.iter().all(|&(path, e, _)| path == e % n), "{got:?}");
     }
 
     #[test]

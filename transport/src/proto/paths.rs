@@ -14,7 +14,8 @@
 //!   timeouts in a row, or two probes unanswered for a probe wait (the connection's RTO) each. A loss of a packet older than one the path
 //!   delivered counts for nothing: that is random loss on a working path. Avoided by everything; probed again after `revive_wait`
 //!   (a few RTOs, doubled per unanswered probe up to `path_revive_us`), at most one dead-path probe per
-//!   RTO per connection, longest-waiting first; a PONG revives it.
+//!   RTO per connection, longest-waiting first; a PONG revives it, and a revival probes every other
+//!   dead path at once (the failure that killed them together may have ended together).
 //!
 //! While some path is suspect or dead a failure episode is going on: new packets keep to paths proven
 //! to work since shortly before the first of them went bad (a failing spine takes many entropies at once, and a
@@ -331,6 +332,7 @@ impl Paths {
             }
         }
         let Probe::Sent(at) = p.probe else { return };
+        let revived = p.health == PathHealth::Dead;
         p.consecutive_timeouts = 0;
         p.consecutive_losses = 0;
         p.timeout_tx_seq = None;
@@ -338,6 +340,32 @@ impl Paths {
         p.revive_wait = 0;
         p.last_ok_sent_at = Some(p.last_ok_sent_at.map_or(at, |t| t.max(at)));
         self.set_health(e, PathHealth::Alive, now, ps);
+        if revived {
+            self.probe_dead_paths(at);
+        }
+    }
+
+    /// A dead path answered a probe sent at `since`: whatever killed it had ended by then, and it may
+    /// have killed the other dead paths too (a spine failure takes many entropies at once), so each of
+    /// them is probed now rather than one per RTO in turn after waits of up to `path_revive_us`. A
+    /// probe of theirs sent before `since` may have died in the same failure and is sent again. One
+    /// PING per dead path per revival: a path that stays dead backs off as usual when it goes
+    /// unanswered.
+    fn probe_dead_paths(&mut self, since: Micros) {
+        for (e, p) in self.list.iter_mut().enumerate() {
+            if p.health != PathHealth::Dead {
+                continue;
+            }
+            let again = match p.probe {
+                Probe::Idle => true,
+                Probe::Sent(t) => t < since,
+                Probe::Due => false,
+            };
+            if again {
+                p.probe = Probe::Due;
+                self.probes_due.push_back(e as u16);
+            }
+        }
     }
 
     /// A path went bad whose failure began when a packet sent at `since` left. The first starts the
