@@ -1072,6 +1072,13 @@ fn a_failed_spine_that_heals_is_used_again_within_a_probe_wait_of_the_first_revi
         // Half the minimum RTO bounds it with room to spare; probing one dead path per RTO in turn took
         // 126 ms here, and answering only the last of a burst of PINGs left 58 of the 64 dead.
         assert!(all - first <= cfg.rto_min_us / 2, "every dead path alive {} µs after the first revival", all - first);
+        // One PING per dead path did it: the answers coming back one by one do not set off more rounds.
+        let pings = sim
+            .wire_log
+            .iter()
+            .filter(|w| w.from == A && w.ptype == Some(PacketType::Control) && (H..=all).contains(&w.at) && dead.contains(&w.entropy))
+            .count();
+        assert!(pings <= dead.len() + 2, "{pings} control packets into {} dead paths while they came back", dead.len());
         // And they carry DATA again.
         let t0 = sim.now;
         let recv = sim.post_recv(&[RecvSpec { len: MIB, tag: 42 }]);

@@ -88,6 +88,9 @@ pub(crate) struct Paths {
     probes_due: VecDeque<u16>,
     /// Dead-path probes are paced per connection: the next one not before this.
     next_probe_at: Micros,
+    /// When the last revival (`probe_dead_paths`) queued its probes: one sent since then belongs to
+    /// that round (or came later) and is not sent again by the next revival of the same burst.
+    round_at: Option<Micros>,
     /// Exploring PINGs are paced per connection: the next one not before this.
     next_explore_at: Micros,
     /// Where the search for the next path to explore starts.
@@ -116,6 +119,7 @@ impl Paths {
             blamed_sent_at: None,
             probes_due: VecDeque::new(),
             next_probe_at: 0,
+            round_at: None,
             next_explore_at: 0,
             explore_cursor: 0,
             explore_due: None,
@@ -341,24 +345,26 @@ impl Paths {
         p.last_ok_sent_at = Some(p.last_ok_sent_at.map_or(at, |t| t.max(at)));
         self.set_health(e, PathHealth::Alive, now, ps);
         if revived {
-            self.probe_dead_paths(at);
+            self.probe_dead_paths(at, now);
         }
     }
 
-    /// A dead path answered a probe sent at `since`: whatever killed it had ended by then, and it may
-    /// have killed the other dead paths too (a spine failure takes many entropies at once), so each of
-    /// them is probed now rather than one per RTO in turn after waits of up to `path_revive_us`. A
-    /// probe of theirs sent before `since` may have died in the same failure and is sent again. One
-    /// PING per dead path per revival: a path that stays dead backs off as usual when it goes
-    /// unanswered.
-    fn probe_dead_paths(&mut self, since: Micros) {
+    /// A dead path answered a probe sent at `since` (the answer came at `now`): whatever killed it
+    /// had ended by then, and it may have killed the other dead paths too (a spine failure takes many
+    /// entropies at once), so each of them is probed now rather than one per RTO in turn after waits
+    /// of up to `path_revive_us`. A probe of theirs sent before `since` may have died in the same
+    /// failure and is sent again, unless an earlier revival sent it (the answers to one round come
+    /// back one by one). One PING per dead path per round: a path that stays dead backs off as usual
+    /// when it goes unanswered.
+    fn probe_dead_paths(&mut self, since: Micros, now: Micros) {
+        let round_at = self.round_at;
         for (e, p) in self.list.iter_mut().enumerate() {
             if p.health != PathHealth::Dead {
                 continue;
             }
             let again = match p.probe {
                 Probe::Idle => true,
-                Probe::Sent(t) => t < since,
+                Probe::Sent(t) => t < since && round_at.is_none_or(|r| t < r),
                 Probe::Due => false,
             };
             if again {
@@ -366,6 +372,7 @@ impl Paths {
                 self.probes_due.push_back(e as u16);
             }
         }
+        self.round_at = Some(now);
     }
 
     /// A path went bad whose failure began when a packet sent at `since` left. The first starts the
