@@ -284,8 +284,8 @@ def chart(runs: list[dict], balance_workload: str, title: str) -> str:
 
 
 def timeline_chart(r: dict) -> str:
-    """Bytes onto each leaf-spine link per interval around a fault (red dashed vertical: the fault; thick
-    red line: the broken link)."""
+    """Bytes onto each leaf-spine link per interval around a fault (red dashed vertical: the fault; green
+    dashed vertical: its heal, if it healed; thick red line: the broken link)."""
     tl = r.get("timeline") or {}
     t = tl.get("t", [])
     links = tl.get("links", {})
@@ -318,5 +318,8 @@ def timeline_chart(r: dict) -> str:
     if tl.get("fault_t") is not None:
         svg.line(sx(tl["fault_t"]), top, sx(tl["fault_t"]), bottom, stroke="#c00", width=1.5, dash="5,3")
         svg.text(sx(tl["fault_t"]) + 4, top + 10, "fault", size=10, fill="#c00")
+    if r.get("heal_at_s") is not None:
+        svg.line(sx(r["heal_at_s"]), top, sx(r["heal_at_s"]), bottom, stroke="#080", width=1.5, dash="5,3")
+        svg.text(sx(r["heal_at_s"]) + 4, top + 10, "healed", size=10, fill="#080")
     svg.line(left, bottom, right, bottom)
     return svg.render()

@@ -54,6 +54,18 @@ class Charts(unittest.TestCase):
         root = ET.fromstring(svg)
         self.assertEqual(len(list(root.iter("{http://www.w3.org/2000/svg}polyline"))), 2)
         self.assertIn("lf0-sp1 (broken)", svg)
+        self.assertNotIn("healed", svg)
+
+    def test_a_healed_fault_is_marked_on_the_timeline_and_in_the_table(self):
+        r = run("spray", 1.4, fault="blackhole_heal", ttr=0.1)
+        r["fault"]["heal_after_s"] = 0.05
+        r.update(heal_at_s=0.15, revival={"revived_s": 0.012, "share_after": 0.97, "traffic_after_heal_s": 1.0})
+        svg = report.timeline_chart(r)
+        ET.fromstring(svg)
+        self.assertIn(">healed<", svg)
+        row = report.run_row(r, run("spray", 1.0))
+        self.assertIn("healed at 0.15 s; the link carried half its earlier share again after 12 ms", row["ttr_ms"])
+        self.assertIn("97 % of its earlier share", row["ttr_ms"])
 
 
 if __name__ == "__main__":
