@@ -958,6 +958,19 @@ fn a_stalled_receiver_does_not_get_paths_declared_dead() {
     });
 }
 
+/// A failed spine under load: every second of `n_paths` entropies drops everything both ways from
+/// `from` until `until`, and 48 sends of 4 MiB are posted at once. The configuration, the simulation,
+/// the black-holed entropies and what was posted.
+fn failed_spine(seed: u64, n_paths: u16, from: Micros, until: Micros) -> (ProtoConfig, Sim, Vec<u16>, Posted) {
+    let cfg = ProtoConfig { n_paths, ..ProtoConfig::default() };
+    let holes: Vec<u16> = (0..n_paths).filter(|e| e % 2 == 1).collect();
+    let l = Link { holes: (holes.clone(), from, until), ..Link::default() };
+    let mut sim = Sim::new(seed, &cfg, [l.clone(), l]);
+    let groups: Vec<Vec<Msg>> = (0..48).map(|i| vec![m(4 * MIB, 4 * MIB, i)]).collect();
+    let posted = post(&mut sim, &groups);
+    (cfg, sim, holes, posted)
+}
+
 #[test]
 fn half_the_paths_black_holed_both_ways_carry_nothing_but_paced_probes_soon_after() {
     // A failed spine: from `T`, every second entropy drops everything in both directions and nobody
@@ -967,13 +980,8 @@ fn half_the_paths_black_holed_both_ways_carry_nothing_but_paced_probes_soon_afte
     seeded(5, |seed| {
         // Many entropies, as on a fabric sprayed over 128 source ports per rail: each one carries only a
         // few packets in the milliseconds after the failure (a run of 8 losses per path never built up).
-        let cfg = ProtoConfig { n_paths: 1024, ..ProtoConfig::default() };
-        let holes: Vec<u16> = (0..cfg.n_paths).filter(|e| e % 2 == 1).collect();
         const T: Micros = 2_000;
-        let l = Link { holes: (holes.clone(), T, Micros::MAX), ..Link::default() };
-        let mut sim = Sim::new(seed, &cfg, [l.clone(), l]);
-        let groups: Vec<Vec<Msg>> = (0..48).map(|i| vec![m(4 * MIB, 4 * MIB, i)]).collect();
-        let posted = post(&mut sim, &groups);
+        let (cfg, mut sim, holes, posted) = failed_spine(seed, 1024, T, Micros::MAX);
         let mut episode_at = None;
         sim.run_until(60_000_000, |s| {
             if episode_at.is_none() && holes.iter().any(|&h| s.stats(A).paths[h as usize].state == PathHealth::Dead) {
@@ -1033,14 +1041,9 @@ fn a_failed_spine_that_heals_is_used_again_within_a_probe_wait_of_the_first_revi
     // other dead path is probed at once (not one per RTO in turn, with waits of up to 100 ms each),
     // so all of them are alive again within a probe wait of that first revival, and carry DATA again.
     seeded(7, |seed| {
-        let cfg = ProtoConfig { n_paths: 128, ..ProtoConfig::default() };
-        let holes: Vec<u16> = (0..cfg.n_paths).filter(|e| e % 2 == 1).collect();
         const T: Micros = 2_000;
         const H: Micros = 400_000;
-        let l = Link { holes: (holes.clone(), T, H), ..Link::default() };
-        let mut sim = Sim::new(seed, &cfg, [l.clone(), l]);
-        let groups: Vec<Vec<Msg>> = (0..48).map(|i| vec![m(4 * MIB, 4 * MIB, i)]).collect();
-        let posted = post(&mut sim, &groups);
+        let (cfg, mut sim, holes, posted) = failed_spine(seed, 128, T, H);
         sim.run_until(60_000_000, |s| all_done(s, &posted));
         verify(&sim, &posted);
         assert!(sim.now < H, "the transfer outlasted the failure ({} µs): the test needs it done before", sim.now);

@@ -346,6 +346,20 @@ def _rate(t: list[float], v: list[int], k0: int, k1: int) -> float:
     return (v[k1] - v[k0]) / (t[k1] - t[k0]) if t[k1] > t[k0] else 0.0
 
 
+def _windows(t: list[float], k0: int, t_end: float, window_s: float):
+    """(k, j) of every window from sample `k0` on that ends before `t_end`: it starts at sample k and
+    ends at j, the first sample at least `window_s` later (or the last one)."""
+    n = len(t)
+    j = k0
+    for k in range(k0, n):
+        if t[k] > t_end - window_s:
+            break
+        j = max(j, k)
+        while j < n - 1 and t[j] < t[k] + window_s:
+            j += 1
+        yield k, j
+
+
 def recovery(t: list[float], dead: list[int], total: list[int], t_fault: float, interval_s: float,
              window_s: float = 0.1, before_s: float = 0.3, residue: float = 0.05, busy: float = 0.2,
              min_tail: float = 0.1, settle_s: float = 0.5, hold_s: float = 0.2, until: float | None = None) -> dict:
@@ -390,15 +404,8 @@ def recovery(t: list[float], dead: list[int], total: list[int], t_fault: float, 
     out["dead_share_before"] = (pre_dead / pre_total) if pre_total else None
     if pre_dead <= 0 or pre_total <= 0:
         return out
-    windows = []  # (start, dead rate, total rate) of every window after the fault, while traffic lasted
-    j = kf
-    for k in range(kf, n):
-        if t[k] > t_end - window_s:
-            break
-        j = max(j, k)
-        while j < n - 1 and t[j] < t[k] + window_s:
-            j += 1
-        windows.append((t[k], _rate(t, dead, k, j), _rate(t, total, k, j)))
+    # (start, dead rate, total rate) of every window after the fault, while traffic lasted
+    windows = [(t[k], _rate(t, dead, k, j), _rate(t, total, k, j)) for k, j in _windows(t, kf, t_end, window_s)]
     # How much the policy still fed the dead path once it had had time to react (from `settle_s` after
     # the fault on, busy windows only), relative to before the fault: 0 = left it, 1 = did not react.
     late = [(d, tot) for start, d, tot in windows if start >= t_fault + settle_s and tot >= busy * pre_total]
@@ -461,14 +468,7 @@ def revival(t: list[float], link: list[int], total: list[int], t_fault: float, t
         return out
     pre_share = pre_link / pre_total
     out["share_before"] = pre_share
-    late_link = late_total = 0.0
-    j = kh
-    for k in range(kh, n):
-        if t[k] > t_end - window_s:
-            break
-        j = max(j, k)
-        while j < n - 1 and t[j] < t[k] + window_s:
-            j += 1
+    for k, j in _windows(t, kh, t_end, window_s):
         d, tot = link[j] - link[k], total[j] - total[k]
         if tot <= 0 or _rate(t, total, k, j) < busy * pre_total:
             continue
