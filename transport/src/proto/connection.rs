@@ -645,6 +645,27 @@ mod tests {
     }
 
     #[test]
+    fn a_path_timer_is_judged_by_the_connections_rto_when_it_fires_not_when_its_packet_left() {
+        // Path 5's packet left at 0 with the 20 ms floor, before the connection had measured anything;
+        // by 21 ms the connection measured RTTs that give a 60 ms RTO (the rail fabric's queues): the
+        // timer waits for that, and fires only once it has passed.
+        let cfg = ProtoConfig { rto_min_us: 20_000, rto_initial_us: 20_000, ..ProtoConfig::default() };
+        let mut c = Connection::new(cfg, 1, 2, Box::new(Spray::new(3)), 0);
+        let p = c.paths.get_mut(5);
+        p.queue.push_back(crate::proto::path::TxEntry { tx_seq: 0, psn: 0, sent_at: 0 });
+        p.rto_floor_us = 20_000;
+        assert_eq!(c.paths.get(5).rto_deadline(), Some(20_000));
+        c.ctl_rtt.sample(20_000);
+        assert_eq!(c.ctl_rtt.rto_us(), 60_000);
+        c.on_rto(21_000);
+        assert_eq!(c.stats.timeouts, 0, "timed out at 21 ms with the connection's RTO at 60 ms");
+        assert_eq!(c.paths.get(5).rto_deadline(), Some(60_000));
+        assert_eq!(c.rto_deadline(), Some(60_000));
+        c.on_rto(60_000);
+        assert_eq!(c.stats.timeouts, 1);
+    }
+
+    #[test]
     fn outstanding_work_always_arms_the_peer_timeout() {
         let mut c = conn();
         c.post_send(10, 0, 5_000).unwrap();

@@ -566,13 +566,28 @@ impl Connection {
         if !matches!(self.paths.earliest_rto(), Some(d) if d <= now) {
             return;
         }
+        let conn_rto = self.ctl_rtt.rto_us();
         for e in 0..self.cfg.n_paths {
             let path = self.paths.get(e);
-            let rto = path.rto_us();
+            let mut rto = path.rto_us();
             match path.rto_deadline() {
                 Some(d) if d <= now => {}
                 _ => continue,
             }
+            if conn_rto > rto {
+                // The path's floor is its connection's RTO when it last sent, and that has grown
+                // since (the first RTT samples of a run come in after its first bursts left, and a
+                // path without samples of its own has only the floor): on the rail fabric most
+                // timeouts of a fault-free run were of such paths, at 20 ms where the connection
+                // had measured 28-50 ms. The floor catches up and the timer is judged again.
+                let path = self.paths.get_mut(e);
+                path.rto_floor_us = conn_rto;
+                rto = path.rto_us();
+                if path.rto_deadline().is_some_and(|d| d > now) {
+                    continue;
+                }
+            }
+            let path = self.paths.get(e);
             let (front_tx_seq, front_sent_at) = path.queue.front().map_or((0, 0), |f| (f.tx_seq, f.sent_at));
             if self.tx.acked_sent_at <= front_sent_at && now.saturating_sub(self.tx.last_new_ack_at) < rto / 4 {
                 // The acknowledgements keep coming but none yet for a packet sent after this one:
