@@ -353,9 +353,9 @@ impl Paths {
     /// had ended by then, and it may have killed the other dead paths too (a spine failure takes many
     /// entropies at once), so each of them is probed now rather than one per RTO in turn after waits
     /// of up to `path_revive_us`. A probe of theirs sent before `since` may have died in the same
-    /// failure and is sent again, unless an earlier revival sent it (the answers to one round come
-    /// back one by one). One PING per dead path per round: a path that stays dead backs off as usual
-    /// when it goes unanswered.
+    /// failure and is sent again, unless it left after the previous revival (the answers to one
+    /// round come back one by one, each a revival). One PING per dead path per round: a path that
+    /// stays dead backs off as usual when it goes unanswered.
     fn probe_dead_paths(&mut self, since: Micros, now: Micros) {
         let round_at = self.round_at;
         for (e, p) in self.list.iter_mut().enumerate() {
