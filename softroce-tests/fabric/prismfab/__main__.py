@@ -246,10 +246,10 @@ def cmd_run(a) -> int:
                     run(wl_by[f.workload], pol_by[p])  # its baseline, if the matrix did not include it
                     run(wl_by[f.workload], pol_by[p], f)
             # A fault check that failed only on its CCT ratio (every byte verified), or a recovery or
-            # revival check that failed on its time (not a fault that never healed), gets one more try: its baseline and its fault run again, back to
-            # back, because one descheduled rank on a loaded 2-core machine stretches a single run. The
-            # first attempt stays in summary.json (`superseded_runs`); the checks judge the second and
-            # say so.
+            # revival check that failed on its time (not a fault that never healed), gets one more try:
+            # its baseline and its fault run again, back to back, because one descheduled rank on a
+            # loaded 2-core machine stretches a single run. The first attempt stays in summary.json
+            # (`superseded_runs`); the checks judge the second and say so.
             superseded = []
             retried = set()
             for c in checks_mod.evaluate(scn, runs):

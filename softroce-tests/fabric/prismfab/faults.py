@@ -99,11 +99,13 @@ class Injector:
         if self.healed or f.kind not in ("blackhole", "link_down"):
             return
         if f.kind == "blackhole":
-            # Its drops so far are kept: flushing the chains takes their counters with them.
-            self.healed_drops = self._drops_at([leaf_name(f.leaf), spine_name(f.spine)])
             for node, ifname in ((fab.leaf(f.leaf), uplink_if(f.leaf, f.spine)),
                                  (fab.spine(f.spine), downlink_if(f.spine, f.leaf))):
-                fab.sh(node, f"nft flush chain netdev {NFT_TABLE} in_{ifname.replace('-', '_')}")
+                chain = f"netdev {NFT_TABLE} in_{ifname.replace('-', '_')}"
+                # Its drops so far are kept (flushing the chain takes its counter with it); another
+                # part's chain on the same router is not this fault's.
+                self.healed_drops += _sum_counters(node.cmd(f"nft -j list chain {chain} 2>/dev/null"))
+                fab.sh(node, f"nft flush chain {chain}")
         else:
             fab.sh(fab.leaf(f.leaf), f"ip link set {uplink_if(f.leaf, f.spine)} up")
             fab.sh(fab.spine(f.spine), f"ip link set {downlink_if(f.spine, f.leaf)} up")

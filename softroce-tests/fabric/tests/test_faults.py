@@ -121,6 +121,9 @@ class Heal(unittest.TestCase):
         healed = fab.log[n:]
         self.assertEqual(healed, [("lf0", "nft flush chain netdev prismfab_fault in_lf0_sp2"),
                                   ("sp2", "nft flush chain netdev prismfab_fault in_sp2_lf0")])
+        # Its counters were read from its own chains only, before they were flushed.
+        self.assertIn("nft -j list chain netdev prismfab_fault in_lf0_sp2 2>/dev/null", fab.leaves[0].cmds)
+        self.assertIn("nft -j list chain netdev prismfab_fault in_sp2_lf0 2>/dev/null", fab.spines[2].cmds)
         self.assertTrue(inj.healed)
         inj.heal()  # once only
         self.assertEqual(len(fab.log), n + 2)
