@@ -346,6 +346,19 @@ def _rate(t: list[float], v: list[int], k0: int, k1: int) -> float:
     return (v[k1] - v[k0]) / (t[k1] - t[k0]) if t[k1] > t[k0] else 0.0
 
 
+def _before_fault(t: list[float], part: list[int], total: list[int], t_fault: float, before_s: float):
+    """Where a fault run's series stand: the last sample at or before the fault (kf), when the traffic
+    ended (the last sample at which `total` grew), and the rates of `part` and of `total` over the
+    `before_s` before the fault (0 when there is no such span)."""
+    n = len(t)
+    kf = max((k for k in range(n) if t[k] <= t_fault), default=0)
+    k0 = next((k for k in range(n) if t[k] >= t_fault - before_s), 0)
+    t_end = max((t[k] for k in range(1, n) if total[k] > total[k - 1]), default=t[-1])
+    pre_part = _rate(t, part, k0, kf) if kf > k0 else 0.0
+    pre_total = _rate(t, total, k0, kf) if kf > k0 else 0.0
+    return kf, t_end, pre_part, pre_total
+
+
 def _windows(t: list[float], k0: int, t_end: float, window_s: float):
     """(k, j) of every window from sample `k0` on that ends before `t_end`: it starts at sample k and
     ends at j, the first sample at least `window_s` later (or the last one)."""
@@ -386,11 +399,9 @@ def recovery(t: list[float], dead: list[int], total: list[int], t_fault: float, 
     out: dict = {"resolution_s": interval_s, "recovered": False, "ttr_s": None, "reroute_s": None}
     if n < 2:
         return out
-    kf = max((k for k in range(n) if t[k] <= t_fault), default=0)
-    k0 = next((k for k in range(n) if t[k] >= t_fault - before_s), 0)
-    out["dead_path_packets"] = dead[-1] - dead[kf]
     # The end of the traffic, not of the processes: the last sample at which the spines carried anything.
-    t_end = max((t[k] for k in range(1, n) if total[k] > total[k - 1]), default=t[-1])
+    kf, t_end, pre_dead, pre_total = _before_fault(t, dead, total, t_fault, before_s)
+    out["dead_path_packets"] = dead[-1] - dead[kf]
     out["traffic_end_s"] = t_end - t_fault
     last = max((t[k] for k in range(kf + 1, n) if dead[k] > dead[k - 1]), default=None)
     if last is None:
@@ -399,8 +410,6 @@ def recovery(t: list[float], dead: list[int], total: list[int], t_fault: float, 
         out["last_dead_packet_s"] = last - t_fault
         if last < t_end - 2 * interval_s:
             out.update(recovered=True, ttr_s=last - t_fault)
-    pre_dead = _rate(t, dead, k0, kf) if kf > k0 else 0.0
-    pre_total = _rate(t, total, k0, kf) if kf > k0 else 0.0
     out["dead_share_before"] = (pre_dead / pre_total) if pre_total else None
     if pre_dead <= 0 or pre_total <= 0:
         return out
@@ -457,13 +466,9 @@ def revival(t: list[float], link: list[int], total: list[int], t_fault: float, t
                  "traffic_after_heal_s": None}
     if n < 2:
         return out
-    kf = max((k for k in range(n) if t[k] <= t_fault), default=0)
-    k0 = next((k for k in range(n) if t[k] >= t_fault - before_s), 0)
     kh = next((k for k in range(n) if t[k] >= t_heal), n - 1)
-    t_end = max((t[k] for k in range(1, n) if total[k] > total[k - 1]), default=t[-1])
+    _, t_end, pre_link, pre_total = _before_fault(t, link, total, t_fault, before_s)
     out["traffic_after_heal_s"] = max(0.0, t_end - t_heal)
-    pre_link = _rate(t, link, k0, kf) if kf > k0 else 0.0
-    pre_total = _rate(t, total, k0, kf) if kf > k0 else 0.0
     if pre_link <= 0 or pre_total <= 0:
         return out
     pre_share = pre_link / pre_total

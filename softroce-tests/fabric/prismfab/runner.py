@@ -345,6 +345,11 @@ def run_one(fab: Fabric, scn: Scenario, bins: Binaries, wl: Workload, pol: Polic
             res["ok"] = False
             res["errors"].append("the fault never fired (the run ended before data flowed for at_s seconds)")
         else:
+            if fault.heal_after_s is not None:
+                res["heal_at_s"] = (t_heal - t_data) if t_heal is not None else None
+                if t_heal is None:
+                    res["ok"] = False
+                    res["errors"].append("the fault never healed (the run ended before heal_after_s)")
             # How traffic left the dead path is judged while it was dead (until the heal, if any).
             dead = [injector.dead_path_packets(nd, nr) for nd, nr in zip(series.netdev, series.no_routes)]
             if dead and dead[0] is not None:
@@ -358,14 +363,8 @@ def run_one(fab: Fabric, scn: Scenario, bins: Binaries, wl: Workload, pol: Polic
                 if fault.kind == "blackhole":
                     res["recovery_bytes"] = metrics.recovery(series.t, dead_b, total_b, t_fault, sample_interval_s,
                                                              until=t_heal)
-                if fault.heal_after_s is not None:
-                    res["heal_at_s"] = (t_heal - t_data) if t_heal is not None else None
-                    if t_heal is None:
-                        res["ok"] = False
-                        res["errors"].append("the fault never healed (the run ended before heal_after_s)")
-                    else:
-                        res["revival"] = metrics.revival(series.t, dead_b, total_b, t_fault, t_heal,
-                                                         sample_interval_s)
+                if t_heal is not None:
+                    res["revival"] = metrics.revival(series.t, dead_b, total_b, t_fault, t_heal, sample_interval_s)
     # The per-link byte series (10 ms) are kept for the charts of the report, thinned to 50 ms.
     res["timeline"] = timeline(spec, series, t_data or t_start, step_s=0.05)
     if t_fault is not None and t_data is not None:
