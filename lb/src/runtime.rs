@@ -393,6 +393,16 @@ impl PathPolicy for FlowPaths {
         }
     }
 
+    fn pick_fit(&mut self, ctx: &PathCtx, uplink: Option<u16>, fit: &mut dyn FnMut(u16) -> bool) -> Option<u16> {
+        match uplink {
+            None => self.unpinned().pick_fit(ctx, None, fit),
+            Some(u) => {
+                let u = self.effective_uplink(u, ctx.msg);
+                self.pinned(u).pick_fit(ctx, None, fit)
+            }
+        }
+    }
+
     fn feedback(&mut self, fb: &Feedback) {
         self.dead.apply(fb);
         let class = fb.entropy().map(|e| self.rt.inner.topo.uplink_of_entropy(self.my_leaf, e));

@@ -119,6 +119,10 @@ impl PathPolicy for SimPolicy {
         self.inner.pick_for(ctx, uplink.or(self.pin))
     }
 
+    fn pick_fit(&mut self, ctx: &PathCtx, uplink: Option<u16>, fit: &mut dyn FnMut(u16) -> bool) -> Option<u16> {
+        self.inner.pick_fit(ctx, uplink.or(self.pin), fit)
+    }
+
     fn feedback(&mut self, fb: &Feedback) {
         self.inner.feedback(fb);
         if let Some(r) = &self.rate {

@@ -97,6 +97,23 @@ impl PathPolicy for Dr {
         }
     }
 
+    /// The rotation continued past unfit paths as past dead ones; with no fit path the pointer
+    /// stays where it was.
+    fn pick_fit(&mut self, ctx: &PathCtx, _uplink: Option<u16>, fit: &mut dyn FnMut(u16) -> bool) -> Option<u16> {
+        let m = ctx.n_paths.max(1);
+        let mut sh = lock(&self.shared);
+        let mut e = sh.next(m);
+        let start = sh.pos;
+        for _ in 0..m {
+            if !self.dead.is_dead(e) && ctx.avoid != Some(e) && fit(e) {
+                return Some(e);
+            }
+            e = sh.next(m);
+        }
+        sh.pos = (start + sh.order.len() - 1) % sh.order.len();
+        None
+    }
+
     fn feedback(&mut self, fb: &Feedback) {
         self.dead.apply(fb);
     }
@@ -118,6 +135,30 @@ mod tests {
         let mut seen = vec![0u32; m as usize];
         picks.iter().for_each(|&e| seen[e as usize] += 1);
         seen.iter().all(|&c| c == 1)
+    }
+
+    /// `pick_fit` keeps to the rotation's order, passing over unfit paths as over dead ones: the fit
+    /// paths are used equally (one each per turn), and with none fit the pointer does not move.
+    #[test]
+    fn pick_fit_rotates_over_the_fit_paths_only_and_evenly() {
+        let m = 16u16;
+        let leaf = DrShared::shared(3);
+        let mut flows: Vec<Dr> = (0..2).map(|_| Dr::new(leaf.clone())).collect();
+        let unfit = |e: u16| e % 4 == 1;
+        let mut seen = vec![0u32; m as usize];
+        for i in 0..12 * 5 {
+            let e = flows[i % 2].pick_fit(&ctx(m), None, &mut |e| !unfit(e)).expect("fit paths exist");
+            seen[e as usize] += 1;
+        }
+        for e in 0..m {
+            assert_eq!(seen[e as usize], if unfit(e) { 0 } else { 5 }, "path {e}: {seen:?}");
+        }
+        let pos = lock(&leaf).pos;
+        assert_eq!(flows[0].pick_fit(&ctx(m), None, &mut |_| false), None);
+        assert_eq!(lock(&leaf).pos, pos, "nothing fit: the pointer stays");
+        // The walk goes on from there with the rotation's next entry.
+        let want = lock(&leaf).order[pos];
+        assert_eq!(flows[1].pick(&ctx(m)), want);
     }
 
     #[test]

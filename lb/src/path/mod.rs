@@ -55,6 +55,16 @@ pub trait PathPolicy: Send {
             *o = self.pick_for(ctx, uplink);
         }
     }
+    /// Like [`PathPolicy::pick_for`], for a packet that must go on a path `fit` accepts (the
+    /// transport's view, finer than the policy's dead set: e.g. during a failure episode only paths
+    /// proven since it began): a policy whose picks follow an order (PRO's walk) continues that order
+    /// past the unfit paths, so the packets it re-places spread as its picks do instead of piling on
+    /// the fit path nearest to an unfit one. `None`: the policy has no such order (the caller corrects
+    /// the pick itself, as for every policy by default) or no path is fit.
+    fn pick_fit(&mut self, ctx: &PathCtx, uplink: Option<u16>, fit: &mut dyn FnMut(u16) -> bool) -> Option<u16> {
+        let _ = (ctx, uplink, fit);
+        None
+    }
     /// A small JSON picture of the policy's state, for stats (`null` when there is nothing to say).
     fn describe_state(&self) -> serde_json::Value {
         serde_json::Value::Null

@@ -100,6 +100,18 @@ impl PathPolicy for Pinned {
         }
     }
 
+    fn pick_fit(&mut self, ctx: &PathCtx, _uplink: Option<u16>, fit: &mut dyn FnMut(u16) -> bool) -> Option<u16> {
+        let n = ctx.n_paths.max(1);
+        self.refresh(n);
+        if self.class.is_empty() {
+            return None;
+        }
+        let inner_ctx = PathCtx { n_paths: self.class.len() as u16, avoid: ctx.avoid.and_then(|a| self.to_index(a)), ..*ctx };
+        let class = &self.class;
+        let i = self.inner.pick_fit(&inner_ctx, None, &mut |i| class.get(i as usize).is_some_and(|&e| fit(e)))?;
+        self.class.get(i as usize).copied()
+    }
+
     fn feedback(&mut self, fb: &Feedback) {
         if let Some(t) = self.translate(fb) {
             self.inner.feedback(&t);

@@ -112,6 +112,29 @@ fn walk(path: &mut Option<u32>, dead: &DeadSet, sh: &mut ProShared, ctx: &PathCt
     p as u16
 }
 
+/// One packet that must go on a path `fit` accepts: the flow's walk continued past dead, avoided and
+/// unfit paths (at most one full cycle, which the coprime stride makes visit every path); the state
+/// moves only when a path is found.
+fn walk_fit(path: &mut Option<u32>, dead: &DeadSet, sh: &mut ProShared, ctx: &PathCtx, fit: &mut dyn FnMut(u16) -> bool) -> Option<u16> {
+    let m = ctx.n_paths.max(1) as u32;
+    let step = sh.step(m);
+    let advance = |p: u32| if p + step >= m { p + step - m } else { p + step };
+    let mut p = match *path {
+        Some(p) if p < m => advance(p),
+        _ => sh.c % m,
+    };
+    for _ in 0..m {
+        let e = p as u16;
+        if !dead.is_dead(e) && ctx.avoid != Some(e) && fit(e) {
+            *path = Some(p);
+            sh.c = if p + 1 == m { 0 } else { p + 1 };
+            return Some(e);
+        }
+        p = advance(p);
+    }
+    None
+}
+
 impl Drop for Pro {
     fn drop(&mut self) {
         let mut s = lock(&self.shared);
@@ -134,6 +157,11 @@ impl PathPolicy for Pro {
         for o in out {
             *o = walk(&mut self.path, &self.dead, &mut sh, ctx);
         }
+    }
+
+    fn pick_fit(&mut self, ctx: &PathCtx, _uplink: Option<u16>, fit: &mut dyn FnMut(u16) -> bool) -> Option<u16> {
+        let mut sh = lock(&self.shared);
+        walk_fit(&mut self.path, &self.dead, &mut sh, ctx, fit)
     }
 
     fn feedback(&mut self, fb: &Feedback) {
@@ -176,6 +204,56 @@ mod tests {
         for (m, p, want) in v {
             assert_eq!(rounds(m, p, 0, want.len()), want, "M = {m}, P = {p}");
         }
+    }
+
+    /// With paths unfit for the transport (not dead to PRO), `pick_fit` continues the walk past them:
+    /// every fit path gets one packet per cycle (no pile-up on the fit path next to an unfit block),
+    /// the walk and C stay as if the unfit paths had been stepped over, and with no fit path nothing
+    /// moves.
+    #[test]
+    fn pick_fit_continues_the_walk_past_unfit_paths_and_spreads_evenly() {
+        let m = 16u16;
+        let unfit = |e: u16| e < 4; // a block of 4 paths (one spine of four) failing
+        let sh = ProShared::shared(0);
+        let mut f = Pro::new(sh.clone());
+        let mut counts = [0u32; 16];
+        let mut prev: Option<u16> = None;
+        for _ in 0..12 * 10 {
+            let e = f.pick_fit(&ctx(m), None, &mut |e| !unfit(e)).expect("fit paths exist");
+            assert!(!unfit(e), "picked unfit path {e}");
+            if let Some(p) = prev {
+                // one flow: stride 1, so the next fit path after the previous one
+                let mut want = (p + 1) % m;
+                while unfit(want) {
+                    want = (want + 1) % m;
+                }
+                assert_eq!(e, want);
+            }
+            prev = Some(e);
+            counts[e as usize] += 1;
+            assert_eq!(lock(&sh).c, (u32::from(e) + 1) % u32::from(m), "C follows the walk");
+        }
+        assert_eq!(&counts[..4], &[0; 4]);
+        assert!(counts[4..].iter().all(|&c| c == 10), "each fit path once per cycle: {counts:?}");
+        // Nothing fit: None, and neither the walk nor C moves.
+        let (path, c) = (f.path, lock(&sh).c);
+        assert_eq!(f.pick_fit(&ctx(m), None, &mut |_| false), None);
+        assert_eq!((f.path, lock(&sh).c), (path, c));
+        // Two flows (stride 3 on 16): still every fit path equally often, and the avoided one never.
+        let sh = ProShared::shared(0);
+        let mut fl: Vec<Pro> = (0..2).map(|_| Pro::new(sh.clone())).collect();
+        let mut counts = [0u32; 16];
+        for _ in 0..12 * 10 {
+            for f in &mut fl {
+                let c = PathCtx { avoid: Some(9), ..ctx(m) };
+                let e = f.pick_fit(&c, None, &mut |e| !unfit(e)).expect("fit paths exist");
+                counts[e as usize] += 1;
+            }
+        }
+        assert_eq!(counts[9], 0);
+        let fit: Vec<u32> = (4..16).filter(|&e| e != 9).map(|e| counts[e]).collect();
+        let (lo, hi) = (fit.iter().min().unwrap(), fit.iter().max().unwrap());
+        assert!(hi - lo <= 2 && *lo > 0, "fit paths evenly used: {counts:?}");
     }
 
     #[test]

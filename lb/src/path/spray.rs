@@ -26,6 +26,10 @@ impl PathPolicy for Spray {
         let n = ctx.n_paths.max(1);
         other_than(self.rng.gen_range(0..n), ctx.avoid, n)
     }
+
+    // No `pick_fit`: random picks have no order to continue, and drawing uniformly among the fit
+    // paths instead of the transport's correction measured slower in the simulator (`docs/fabric.md`,
+    // "Where a corrected packet goes").
 }
 
 #[cfg(test)]

@@ -121,6 +121,19 @@ impl PathPolicy for PlannedPaths {
         rail * self.paths + e
     }
 
+    fn pick_fit(&mut self, ctx: &PathCtx, _uplink: Option<u16>, fit: &mut dyn FnMut(u16) -> bool) -> Option<u16> {
+        let (rail, uplink) = self.plans.lock().get(&ctx.msg).and_then(|m| m.at(ctx.offset)).unwrap_or((self.home, None));
+        let rail = rail.min(self.rails.len() as u16 - 1);
+        let avoid = ctx.avoid.and_then(|a| {
+            let (r, e) = self.split(a);
+            (r == rail as usize).then_some(e)
+        });
+        let inner = PathCtx { n_paths: self.paths, avoid, ..*ctx };
+        let base = rail * self.paths;
+        let e = self.rails[rail as usize].pick_fit(&inner, uplink, &mut |e| fit(base + e))? % self.paths;
+        Some(base + e)
+    }
+
     fn feedback(&mut self, fb: &Feedback) {
         if let Some(rate) = &self.rate {
             rate.lock().feedback(fb);

@@ -5,7 +5,7 @@ use prism_lb::PathCtx;
 
 use super::connection::Connection;
 use super::path::TxEntry;
-use super::paths::Fitness;
+use super::paths::{Fitness, Paths};
 use super::recovery::LossCause;
 use super::sender::PktState;
 use super::{Micros, MsgId, PayloadSource, Transmit, OOO_WINDOW_PKTS};
@@ -178,11 +178,24 @@ impl Connection {
         self.flush_feedback();
         let n = self.cfg.n_paths;
         let ctx = PathCtx { msg: msg.0, offset, n_paths: n, retransmit, avoid, now_us: now };
+        let episode = if retransmit { self.paths.episode_start() } else { self.paths.episode() };
+        let checked = self.paths.any_bad() || episode.is_some();
+        if n > 1 && checked && !self.tx.probe_pick && !(retransmit && episode.is_some()) {
+            // A policy that walks its paths in an order (PRO) continues the walk past the unfit
+            // ones: the packets it re-places spread like its other picks. Correcting its pick
+            // afterwards (below) put every one whose pick was unfit on the fit path nearest after
+            // it: during a failure episode, with a block of unproven paths, one path took them all.
+            let Self { policy, paths, tx, .. } = self;
+            let rack_rtt_us = tx.rack_rtt_us;
+            let mut fit = |e: u16| e < n && Some(e) != avoid && fitness_at(paths, rack_rtt_us, e, episode, now) == Fitness::Good;
+            if let Some(e) = policy.pick_fit(&ctx, None, &mut fit) {
+                return e;
+            }
+        }
         let first = self.policy.pick(&ctx) % n;
         if n == 1 {
             return first;
         }
-        let episode = if retransmit { self.paths.episode_start() } else { self.paths.episode() };
         if std::mem::take(&mut self.tx.probe_pick) {
             // A tail-loss probe goes out because nothing was heard for a while: when the paths the
             // packets in flight took all failed (a policy that keeps to a few paths, all behind a
@@ -207,7 +220,6 @@ impl Connection {
                 return e;
             }
         }
-        let checked = self.paths.any_bad() || episode.is_some();
         if Some(first) != avoid && (!checked || self.fitness_now(first, episode, now) == Fitness::Good) {
             return first;
         }
@@ -240,16 +252,7 @@ impl Connection {
     /// that keeps to its paths, PRO, several) until its first loss was found, a reordering window
     /// later. Nothing is declared: the path is only passed over while better ones exist.
     fn fitness_now(&self, e: u16, episode: Option<Micros>, now: Micros) -> Fitness {
-        let f = self.paths.fitness(e, episode);
-        if f != Fitness::Good || episode.is_none() {
-            return f;
-        }
-        let path = self.paths.get(e);
-        let rtt = self.tx.rack_rtt_us.max(path.delivered_rtt_us);
-        match path.queue.front() {
-            Some(oldest) if oldest.sent_at.saturating_add(rtt + rtt / 4) < now => Fitness::Doubtful,
-            _ => f,
-        }
+        fitness_at(&self.paths, self.tx.rack_rtt_us, e, episode, now)
     }
 
     /// Whether new packets would go on path `entropy` now: it is alive and, during a failure episode
@@ -258,5 +261,21 @@ impl Connection {
     /// their control packets with it.
     pub fn path_preferred(&self, entropy: u16) -> bool {
         entropy < self.cfg.n_paths && self.paths.fitness(entropy, self.paths.episode()) == Fitness::Good
+    }
+}
+
+/// How fit path `e` is for a packet now (see `Connection::fitness_now`; `rack_rtt_us` is the
+/// connection's RACK reference RTT). A free function so that a pick can consult it while the
+/// connection's policy is borrowed.
+fn fitness_at(paths: &Paths, rack_rtt_us: u64, e: u16, episode: Option<Micros>, now: Micros) -> Fitness {
+    let f = paths.fitness(e, episode);
+    if f != Fitness::Good || episode.is_none() {
+        return f;
+    }
+    let path = paths.get(e);
+    let rtt = rack_rtt_us.max(path.delivered_rtt_us);
+    match path.queue.front() {
+        Some(oldest) if oldest.sent_at.saturating_add(rtt + rtt / 4) < now => Fitness::Doubtful,
+        _ => f,
     }
 }
