@@ -83,8 +83,15 @@ struct Qp {
     next_seq: u32,
     /// Work requests posted unsignalled since the last signalled one.
     unsignalled: usize,
+    /// Receive slots consumed and not posted again yet (posted in chains of [`REPOST_BATCH`]).
+    repost: Vec<usize>,
     stats: QpStats,
 }
+
+/// Consumed receive slots are posted again once this many wait, as one chain (one doorbell): the
+/// receive queue then never has fewer than `RECV_DEPTH - REPOST_BATCH` receives posted, and a slow
+/// link (one completion per poll) no longer costs a doorbell per packet received.
+const REPOST_BATCH: usize = 16;
 
 /// A send work request waiting for [`QpSet::flush`].
 #[derive(Clone, Copy)]
@@ -217,6 +224,7 @@ impl QpSet {
                 outstanding: VecDeque::new(),
                 next_seq: 0,
                 unsignalled: 0,
+                repost: Vec::with_capacity(REPOST_BATCH),
                 stats,
             });
         }
@@ -314,6 +322,8 @@ impl QpSet {
         vtry!(qp.qp.modify(&a), format!("QP {:#x} RESET->INIT", qp.stats.qpn))?;
         qp.psn = rand::random::<u32>() & 0xFF_FFFF;
         let (qpn, psn) = (qp.qp.qp_number(), qp.psn);
+        // Every slot of the QP is posted again below, those waiting to be reposted too.
+        qp.repost.clear();
         self.post_recvs(q, q * RECV_DEPTH..(q + 1) * RECV_DEPTH)?;
         Ok((qpn, psn, drained))
     }
@@ -539,18 +549,14 @@ impl QpSet {
     }
 
     /// Reap receive completions and hand each packet to `deliver`; the slots are posted again per
-    /// QP in one chain after each batch.
+    /// QP in chains of [`REPOST_BATCH`].
     pub fn poll_recv(&mut self, mut deliver: impl FnMut(RxEvent<'_>)) {
         let mut wcs: Vec<(u64, u32, u32, u32, u32)> = Vec::new();
-        let mut repost: Vec<Vec<usize>> = Vec::new();
         while let Ok(poller) = self.recv_cq.start_poll() {
             wcs.clear();
             wcs.extend(poller.map(|wc| (wc.wr_id(), wc.status(), wc.opcode(), wc.byte_len(), u32::from_be(wc.imm_data()))));
             if wcs.is_empty() {
                 break;
-            }
-            if repost.is_empty() {
-                repost.resize_with(self.qps.len(), Vec::new);
             }
             for &(id, status, opcode, len, imm) in &wcs {
                 let (q, gen, slot) = wr_parts(id);
@@ -579,11 +585,17 @@ impl QpSet {
                     self.qps[q].stats.received += 1;
                     deliver(RxEvent::Packet(&self.recv_ring.slot(slot)[..n]));
                 }
-                repost[q].push(slot);
+                self.qps[q].repost.push(slot);
             }
-            // Repost per batch: a receive queue never runs more than one batch short.
-            for (q, slots) in repost.iter_mut().enumerate() {
-                if let Err(e) = self.post_recvs(q, slots.drain(..)) {
+            for q in 0..self.qps.len() {
+                if self.qps[q].repost.len() < REPOST_BATCH {
+                    continue;
+                }
+                let slots = std::mem::take(&mut self.qps[q].repost);
+                let res = self.post_recvs(q, slots.iter().copied());
+                self.qps[q].repost = slots;
+                self.qps[q].repost.clear();
+                if let Err(e) = res {
                     let qp = &mut self.qps[q];
                     if !qp.stats.dead {
                         tracing::warn!(qpn = qp.stats.qpn, "repost receive failed: {e}; QP marked dead");
