@@ -50,6 +50,9 @@ pub struct TransportConfig {
     pub udp_gso: bool,
     /// `PRISM_UDP_GRO`: receive coalesced datagrams (`UDP_GRO`) where the kernel supports it.
     pub udp_gro: bool,
+    /// `PRISM_UDP_TRAIN`: a message's new datagrams go on one entropy this many at a time (one GSO
+    /// train); 1 = each datagram picked on its own.
+    pub udp_train: u32,
     /// `PRISM_UDP_SPORT_BASE`: 0 = every UDP socket on an ephemeral port; else rail `r`'s entropy `e`
     /// binds port `base + r * paths + e` (a fabric that routes by source port can then know which
     /// entropy takes which uplink).
@@ -98,6 +101,7 @@ impl Default for TransportConfig {
             lb_chunk_set: false,
             udp_gso: true,
             udp_gro: true,
+            udp_train: 1,
             udp_sport_base: 0,
         }
     }
@@ -161,6 +165,7 @@ impl TransportConfig {
         "PRISM_IB_CHUNK",
         "PRISM_UDP_GSO",
         "PRISM_UDP_GRO",
+        "PRISM_UDP_TRAIN",
         "PRISM_UDP_SPORT_BASE",
     ];
 
@@ -228,6 +233,7 @@ impl TransportConfig {
         c.lb_chunk_set = vars.contains_key("PRISM_CHUNK");
         flag(vars, "PRISM_UDP_GSO", &mut c.udp_gso)?;
         flag(vars, "PRISM_UDP_GRO", &mut c.udp_gro)?;
+        num(vars, "PRISM_UDP_TRAIN", 1, 64, &mut c.udp_train)?;
         num(vars, "PRISM_UDP_SPORT_BASE", 0, 65_535, &mut c.udp_sport_base)?;
         if c.udp_sport_base != 0 && u32::from(c.udp_sport_base) + u32::from(c.paths) - 1 > 65_535 {
             let v = vars.get("PRISM_UDP_SPORT_BASE").map_or("", String::as_str);

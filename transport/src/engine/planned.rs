@@ -77,6 +77,18 @@ pub(crate) type Plans = Arc<Mutex<HashMap<u64, ChunkMap>>>;
 /// The comm's rate controller (`PRISM_CC`), fed by the path feedback and read by the engine.
 pub(crate) type SharedRate = Arc<Mutex<Box<dyn RateController>>>;
 
+/// A run of new packets of one message kept on one entropy (see [`PlannedPaths::with_train`]).
+#[derive(Debug, Clone, Copy)]
+struct Train {
+    msg: u64,
+    /// Offsets `start..end` of the message: the run's bytes, within one plan span.
+    start: u64,
+    end: u64,
+    /// The plan span (rail, uplink) the run lies in.
+    span: (u16, Option<u16>),
+    entropy: u16,
+}
+
 /// One policy per rail, steered by the plans.
 pub(crate) struct PlannedPaths {
     paths: u16,
@@ -84,13 +96,63 @@ pub(crate) struct PlannedPaths {
     rails: Vec<Box<dyn PathPolicy>>,
     plans: Plans,
     rate: Option<SharedRate>,
+    /// Bytes of a message's new packets kept on one entropy (0: every packet picked on its own).
+    train_bytes: u64,
+    train: Option<Train>,
 }
 
 impl PlannedPaths {
     /// Path policies for a comm to `dst_host` whose home (NCCL device) rail is `home`.
     pub fn new(rt: &LbRuntime, dst_host: usize, rails: u16, paths: u16, home: u16, seed: u64, plans: Plans) -> Self {
         let rails = (0..rails).map(|rail| rt.path_policy(FlowInfo { dst_host, rail }, seed ^ (u64::from(rail) << 48))).collect();
-        Self { paths, home, rails, plans, rate: None }
+        Self { paths, home, rails, plans, rate: None, train_bytes: 0, train: None }
+    }
+
+    /// Keep a message's new packets on one entropy for `bytes` of its offsets at a time (within one
+    /// plan span, and while the entropy is fit): the UDP backend sends a socket's consecutive
+    /// datagrams of equal size as one GSO train, so picking every datagram on its own made trains of
+    /// about `batch / paths` datagrams and one `sendmsg` per few datagrams. The policy is asked once
+    /// per run: PRO's walk and DR's rotation step per run, spraying draws per run.
+    pub fn with_train(mut self, bytes: u64) -> Self {
+        self.train_bytes = bytes;
+        self
+    }
+
+    fn span_at(&self, ctx: &PathCtx) -> (u16, Option<u16>) {
+        let (rail, uplink) = self.plans.lock().get(&ctx.msg).and_then(|m| m.at(ctx.offset)).unwrap_or((self.home, None));
+        (rail.min(self.rails.len() as u16 - 1), uplink)
+    }
+
+    /// The entropy of the run this new packet continues, if it continues one.
+    fn train_for(&self, ctx: &PathCtx, span: (u16, Option<u16>)) -> Option<u16> {
+        let t = self.train?;
+        (!ctx.retransmit
+            && t.msg == ctx.msg
+            && (t.start..t.end).contains(&ctx.offset)
+            && t.span == span
+            && ctx.avoid != Some(t.entropy)
+            && t.entropy < ctx.n_paths)
+            .then_some(t.entropy)
+    }
+
+    /// A new packet at `ctx.offset` went on `entropy` as the first of a run.
+    fn start_train(&mut self, ctx: &PathCtx, span: (u16, Option<u16>), entropy: u16) {
+        if self.train_bytes == 0 || ctx.retransmit {
+            return;
+        }
+        let start = ctx.offset;
+        self.train = Some(Train { msg: ctx.msg, start, end: start.saturating_add(self.train_bytes), span, entropy });
+    }
+
+    fn pick_in(&mut self, ctx: &PathCtx, span: (u16, Option<u16>)) -> u16 {
+        let (rail, uplink) = span;
+        let avoid = ctx.avoid.and_then(|a| {
+            let (r, e) = self.split(a);
+            (r == rail as usize).then_some(e)
+        });
+        let inner = PathCtx { n_paths: self.paths, avoid, ..*ctx };
+        let e = self.rails[rail as usize].pick_for(&inner, uplink) % self.paths;
+        rail * self.paths + e
     }
 
     /// Also report every feedback event to `rate` (packet delays for MCC).
@@ -110,28 +172,30 @@ impl PathPolicy for PlannedPaths {
     }
 
     fn pick(&mut self, ctx: &PathCtx) -> u16 {
-        let (rail, uplink) = self.plans.lock().get(&ctx.msg).and_then(|m| m.at(ctx.offset)).unwrap_or((self.home, None));
-        let rail = rail.min(self.rails.len() as u16 - 1);
-        let avoid = ctx.avoid.and_then(|a| {
-            let (r, e) = self.split(a);
-            (r == rail as usize).then_some(e)
-        });
-        let inner = PathCtx { n_paths: self.paths, avoid, ..*ctx };
-        let e = self.rails[rail as usize].pick_for(&inner, uplink) % self.paths;
-        rail * self.paths + e
+        let span = self.span_at(ctx);
+        if let Some(e) = self.train_for(ctx, span) {
+            return e;
+        }
+        let e = self.pick_in(ctx, span);
+        self.start_train(ctx, span, e);
+        e
     }
 
     fn pick_fit(&mut self, ctx: &PathCtx, _uplink: Option<u16>, fit: &mut dyn FnMut(u16) -> bool) -> Option<u16> {
-        let (rail, uplink) = self.plans.lock().get(&ctx.msg).and_then(|m| m.at(ctx.offset)).unwrap_or((self.home, None));
-        let rail = rail.min(self.rails.len() as u16 - 1);
+        let span = self.span_at(ctx);
+        if let Some(e) = self.train_for(ctx, span).filter(|&e| fit(e)) {
+            return Some(e);
+        }
+        let (rail, uplink) = span;
         let avoid = ctx.avoid.and_then(|a| {
             let (r, e) = self.split(a);
             (r == rail as usize).then_some(e)
         });
         let inner = PathCtx { n_paths: self.paths, avoid, ..*ctx };
         let base = rail * self.paths;
-        let e = self.rails[rail as usize].pick_fit(&inner, uplink, &mut |e| fit(base + e))? % self.paths;
-        Some(base + e)
+        let e = base + self.rails[rail as usize].pick_fit(&inner, uplink, &mut |e| fit(base + e))? % self.paths;
+        self.start_train(ctx, span, e);
+        Some(e)
     }
 
     fn feedback(&mut self, fb: &Feedback) {
@@ -207,6 +271,48 @@ mod tests {
             let e = p.pick(&PathCtx { n_paths: 24, ..ctx(1, off * 100) });
             assert!((16..24).contains(&e), "{e}");
         }
+    }
+
+    /// With runs of 4 datagrams of 1,000 bytes: each run of a message's new packets keeps one
+    /// entropy; the next run, another message, a retransmission, an avoided entropy and a plan span
+    /// boundary each pick afresh; the policy (spraying) still uses every entropy.
+    #[test]
+    fn a_train_keeps_a_run_of_new_packets_on_one_entropy_within_its_span() {
+        let rt = runtime(&[("PRISM_RAIL", "rr"), ("PRISM_CHUNK", "8192")], 2);
+        let plans: Plans = Arc::default();
+        let plan = rt.plan(&prism_lb::SendReq { dst_host: 9, len: 64 * 1024, flow: 1, home_rail: 0 }, 0).unwrap();
+        plans.lock().insert(5, ChunkMap::from_plan(&plan, 0));
+        let mut p = PlannedPaths::new(&rt, 9, 2, 16, 0, 3, plans).with_train(4000);
+        let picks: Vec<u16> = (0..64).map(|k| p.pick(&ctx(5, k * 1000))).collect();
+        let mut used = std::collections::BTreeSet::new();
+        // (span's start offset, run's first packet): a run starts at the first packet of a span or
+        // 4,000 bytes after the previous run's start.
+        let mut run: Option<(u64, usize)> = None;
+        for (k, &e) in picks.iter().enumerate() {
+            used.insert(e);
+            let off = k as u64 * 1000;
+            let chunk = plan.chunks.iter().find(|c| (c.offset..c.offset + u64::from(c.len)).contains(&off)).unwrap();
+            let first = match run {
+                Some((span, first)) if span == chunk.offset && off < first as u64 * 1000 + 4000 => first,
+                _ => k,
+            };
+            run = Some((chunk.offset, first));
+            assert_eq!(e, picks[first], "packet {k} left its run (started at packet {first})");
+            assert_eq!(e / 16, chunk.rail, "packet {k} off its chunk's rail");
+        }
+        assert!(used.len() >= 8, "runs still spread: {used:?}");
+        // A retransmission is picked on its own and leaves the run alone.
+        let run = p.pick(&ctx(5, 60_000));
+        let r = p.pick(&PathCtx { retransmit: true, avoid: Some(run), ..ctx(5, 1000) });
+        assert_ne!(r, run);
+        assert_eq!(p.pick(&ctx(5, 61_000)), run, "the run goes on after a retransmission");
+        // Avoiding the run's entropy (the transport found it unfit) starts a new run.
+        let other = p.pick(&PathCtx { avoid: Some(run), ..ctx(5, 62_000) });
+        assert_ne!(other, run);
+        assert_eq!(p.pick(&ctx(5, 63_000)), other);
+        // Another message starts its own run.
+        let _ = p.pick(&ctx(6, 0));
+        assert!(p.train.is_some_and(|t| t.msg == 6 && t.start == 0));
     }
 
     #[test]

@@ -70,8 +70,15 @@ impl NetInner {
     /// to `rate`.
     pub(super) fn connection(&self, local: u64, peer: u64, peer_host: u32, home: u16, plans: &Plans, rate: &SharedRate) -> Connection {
         let seed = self.conn_seed();
+        // UDP with GSO: runs of `PRISM_UDP_TRAIN` datagrams per entropy (verbs packets are whole
+        // 64 KiB WRITEs already, and without GSO a run saves nothing).
+        let train = match self.rails.first().and_then(|r| r.backend.udp()) {
+            Some(u) if u.gso() && self.cfg.udp_train > 1 => u64::from(self.cfg.udp_train) * self.proto.max_payload as u64,
+            _ => 0,
+        };
         let policy = PlannedPaths::new(&self.lb_rt, peer_host as usize, self.rails.len() as u16, self.cfg.paths, home, seed, plans.clone())
-            .with_rate(rate.clone());
+            .with_rate(rate.clone())
+            .with_train(train);
         Connection::new(self.proto.clone(), local, peer, Box::new(policy), self.now_us())
     }
 
