@@ -380,6 +380,13 @@ class Fabric:
         for node, ifn in self.fabric_ports():
             limit = self.spec.host_queue_pkts if ifn.startswith("h") else self.spec.queue_pkts
             self.sh(node, f"tc qdisc replace dev {ifn} parent 5:1 handle 10: pfifo limit {limit}")
+        # A NIC puts a GSO train (UDP_SEGMENT) on the wire as separate packets; a veth hands it to the
+        # peer namespace whole, and every queue and nft rule of the fabric would count and drop it as
+        # one packet. With UDP segmentation off, a host's NIC splits it as it leaves (after its own
+        # queue, as a NIC's ring holds one descriptor per train).
+        for i in range(self.spec.hosts):
+            for r in range(self.spec.rails):
+                self.sh(self.host(i), f"ethtool -K {host_if(i, r)} tx-udp-segmentation off")
 
     def fabric_ports(self):
         """(node, interface) of every shaped fabric port, hosts included."""
