@@ -11,7 +11,7 @@ use std::ptr::null_mut;
 use std::time::{Duration, Instant};
 
 use nccl_net_prism::abi::props::PropertiesV12;
-use nccl_net_prism::abi::{NCCL_SUCCESS, PTR_HOST};
+use nccl_net_prism::abi::{NCCL_SUCCESS, PTR_CUDA, PTR_HOST};
 use nccl_net_prism::exports::ncclNetPlugin_v12 as NET;
 use parking_lot::Mutex;
 
@@ -281,6 +281,78 @@ fn objects_of_the_wrong_kind_are_refused() {
         assert_eq!(NET.dereg_mr.unwrap()(p.send, mh), NCCL_SUCCESS);
         assert_eq!(NET.close_listen.unwrap()(listen), NCCL_SUCCESS);
     }
+    close(p);
+    drop(ctx);
+}
+
+#[test]
+fn counts_sizes_and_types_out_of_range_are_refused() {
+    let _serial = ONE_AT_A_TIME.lock();
+    let ctx = Ctx::init();
+    let p = connect(&ctx);
+    let mut buf = vec![0u8; 4096];
+    let bp = buf.as_mut_ptr();
+    let mut req = null_mut();
+    let mut mh = null_mut();
+    let mut props = std::mem::MaybeUninit::<PropertiesV12>::zeroed();
+    // SAFETY: a writable v12 properties struct.
+    assert_eq!(unsafe { NET.get_properties.unwrap()(0, props.as_mut_ptr()) }, NCCL_SUCCESS);
+    // SAFETY: written just above.
+    let props = unsafe { props.assume_init() };
+    let max_recvs = props.max_recvs;
+    let max_p2p = props.max_p2p_bytes;
+    // Above maxP2pBytes, and ranges that wrap around the address space: refused before anything is read.
+    for size in [max_p2p + 1, usize::MAX, usize::MAX / 2] {
+        let (rc, req) = isend(p.send, bp, size);
+        assert_eq!((rc, req.is_null()), (INTERNAL, true), "isend of {size} bytes");
+        let (rc, req) = irecv(p.recv, bp, size);
+        assert_eq!((rc, req.is_null()), (INTERNAL, true), "irecv of {size} bytes");
+    }
+    // A send whose size test() cannot report (an int) is refused when posted, at once: it used to be
+    // accepted and planned chunk by chunk (a 1 TiB isend took 5-7 s and 2.6 GB inside the call).
+    for size in [c_int::MAX as usize + 1, max_p2p] {
+        let start = Instant::now();
+        let (rc, req) = isend(p.send, bp, size);
+        assert_eq!((rc, req.is_null()), (INTERNAL, true), "isend of {size} bytes");
+        assert!(start.elapsed() < Duration::from_millis(100), "isend of {size} bytes took {:?}", start.elapsed());
+    }
+    let high = (usize::MAX - 100) as *mut u8;
+    assert_eq!(isend(p.send, high, 4096).0, INTERNAL, "isend range wraps");
+    assert_eq!(irecv(p.recv, high, 4096).0, INTERNAL, "irecv range wraps");
+    // irecv n out of range.
+    let mut d = vec![bp.cast::<c_void>(); 64];
+    let mut s = vec![16usize; 64];
+    let mut t = vec![0 as c_int; 64];
+    for n in [0, -1, c_int::MIN, max_recvs + 1, 64] {
+        // SAFETY: arrays of 64 entries, more than any n the plugin accepts.
+        let rc = unsafe { NET.irecv.unwrap()(p.recv, n, d.as_mut_ptr(), s.as_mut_ptr(), t.as_mut_ptr(), null_mut(), null_mut(), &mut req) };
+        assert_eq!((rc, req.is_null()), (INTERNAL, true), "irecv n = {n}");
+        let mut fs = vec![16 as c_int; 64];
+        // SAFETY: as above.
+        let rc = unsafe { NET.iflush.unwrap()(p.recv, n, d.as_mut_ptr(), fs.as_mut_ptr(), null_mut(), &mut req) };
+        assert_eq!((rc, req.is_null()), (INTERNAL, true), "iflush n = {n}");
+    }
+    // regMr: unknown types, CUDA (not in this build), NULL with a size, a wrapping range.
+    // SAFETY: regMr contract with a live buffer or ranges the plugin must refuse.
+    unsafe {
+        for kind in [0, 0x8, -1, PTR_CUDA, PTR_HOST | PTR_CUDA] {
+            assert_eq!(NET.reg_mr.unwrap()(p.send, bp.cast(), 4096, kind, &mut mh), INTERNAL, "regMr type {kind:#x}");
+            assert!(mh.is_null());
+        }
+        assert_eq!(NET.reg_mr.unwrap()(p.send, null_mut(), 4096, PTR_HOST, &mut mh), INTERNAL, "regMr NULL");
+        assert_eq!(NET.reg_mr.unwrap()(p.send, high.cast(), 4096, PTR_HOST, &mut mh), INTERNAL, "regMr wraps");
+        assert_eq!(NET.reg_mr_dma_buf.unwrap()(p.send, bp.cast(), 4096, PTR_CUDA, 0, -1, &mut mh), INTERNAL, "dmabuf CUDA");
+        // Size 0 registers (and deregisters) fine.
+        assert_eq!(NET.reg_mr.unwrap()(p.send, bp.cast(), 0, PTR_HOST, &mut mh), NCCL_SUCCESS, "regMr size 0");
+        assert_eq!(NET.dereg_mr.unwrap()(p.send, mh), NCCL_SUCCESS);
+    }
+    // Zero-byte messages, even from NULL, go through.
+    let (rc, rreq) = irecv(p.recv, null_mut(), 0);
+    assert_eq!(rc, NCCL_SUCCESS);
+    let (rc, sreq) = isend(p.send, std::ptr::null(), 0);
+    assert_eq!(rc, NCCL_SUCCESS);
+    assert_eq!(test_until_done(sreq), (NCCL_SUCCESS, 0));
+    assert_eq!(test_until_done(rreq), (NCCL_SUCCESS, 0));
     close(p);
     drop(ctx);
 }
