@@ -609,3 +609,240 @@ fn two_threads_testing_one_comm_and_its_requests() {
     close(p);
     drop(ctx);
 }
+
+/// Lowers the soft limit on open files for the life of the guard (tests hold ONE_AT_A_TIME).
+struct FdLimit(libc::rlimit);
+
+impl FdLimit {
+    fn set(n: u64) -> Self {
+        let mut old = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+        // SAFETY: a valid rlimit to fill, then a valid one to set.
+        unsafe {
+            assert_eq!(libc::getrlimit(libc::RLIMIT_NOFILE, &mut old), 0);
+            let new = libc::rlimit { rlim_cur: n.min(old.rlim_max), rlim_max: old.rlim_max };
+            assert_eq!(libc::setrlimit(libc::RLIMIT_NOFILE, &new), 0);
+        }
+        FdLimit(old)
+    }
+}
+
+impl Drop for FdLimit {
+    fn drop(&mut self) {
+        // SAFETY: restores the limit read in `set`.
+        unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &self.0) };
+    }
+}
+
+#[test]
+fn running_out_of_file_descriptors_is_an_error_code_and_recovers() {
+    let _serial = ONE_AT_A_TIME.lock();
+    let ctx = Ctx::init();
+    let mut pairs = Vec::new();
+    let mut listens = Vec::new();
+    {
+        let _limit = FdLimit::set(256);
+        // Comms until the process runs out of descriptors.
+        let mut failed = None;
+        for _ in 0..1000 {
+            let mut handle = [0u8; 128];
+            let mut listen = null_mut();
+            // SAFETY: the listen contract.
+            let rc = unsafe { NET.listen.unwrap()(ctx.0, 0, handle.as_mut_ptr().cast(), &mut listen) };
+            if rc != NCCL_SUCCESS {
+                assert!(listen.is_null());
+                failed = Some(rc);
+                break;
+            }
+            listens.push(listen);
+            let (mut send, mut recv): (*mut c_void, *mut c_void) = (null_mut(), null_mut());
+            let start = Instant::now();
+            let mut rc = NCCL_SUCCESS;
+            while rc == NCCL_SUCCESS && (send.is_null() || recv.is_null()) {
+                if send.is_null() {
+                    // SAFETY: the connect contract.
+                    rc = unsafe { NET.connect.unwrap()(ctx.0, 0, handle.as_mut_ptr().cast(), &mut send, null_mut()) };
+                }
+                if rc == NCCL_SUCCESS && recv.is_null() {
+                    // SAFETY: the accept contract.
+                    rc = unsafe { NET.accept.unwrap()(listen, &mut recv, null_mut()) };
+                }
+                assert!(start.elapsed() < Duration::from_secs(30), "connect neither done nor failed within 30 s");
+            }
+            pairs.push(Pair { send, recv });
+            if rc != NCCL_SUCCESS {
+                failed = Some(rc);
+                break;
+            }
+        }
+        let rc = failed.expect("1000 connections within 256 descriptors");
+        assert!(rc == 2 || rc == 3, "out of descriptors: rc {rc}");
+    }
+    // SAFETY: every object made above closed once (NULL for the halves that never came).
+    unsafe {
+        for p in pairs {
+            assert_eq!(NET.close_send.unwrap()(p.send), NCCL_SUCCESS);
+            assert_eq!(NET.close_recv.unwrap()(p.recv), NCCL_SUCCESS);
+        }
+        for l in listens {
+            assert_eq!(NET.close_listen.unwrap()(l), NCCL_SUCCESS);
+        }
+    }
+    // Everything works again.
+    let p = connect(&ctx);
+    let msg = [5u8; 100];
+    let mut got = [0u8; 100];
+    let (_, r) = irecv(p.recv, got.as_mut_ptr(), 100);
+    let (_, s) = isend(p.send, msg.as_ptr(), 100);
+    assert_eq!(test_until_done(s), (NCCL_SUCCESS, 100));
+    assert_eq!(test_until_done(r), (NCCL_SUCCESS, 100));
+    assert_eq!(got, msg);
+    close(p);
+    drop(ctx);
+}
+
+#[test]
+fn legacy_calls_without_an_engine_are_refused() {
+    use nccl_net_prism::exports::ncclNetPlugin_v9 as NET9;
+    let _serial = ONE_AT_A_TIME.lock();
+    // No v9/v10 init ever runs in this test binary, and no v12 context is live here, so there is no
+    // engine: every call that needs one must say so.
+    assert_eq!(nccl_net_prism::global::census(), (0, false));
+    let mut handle = [0u8; 128];
+    let mut out = null_mut();
+    let mut n = 0;
+    // SAFETY: valid arguments; only the missing engine is wrong.
+    unsafe {
+        assert_eq!(NET9.devices.unwrap()(&mut n), INTERNAL, "devices before init");
+        assert_eq!(NET9.listen.unwrap()(0, handle.as_mut_ptr().cast(), &mut out), INTERNAL, "listen before init");
+        assert_eq!(NET9.connect.unwrap()(0, handle.as_mut_ptr().cast(), &mut out, null_mut()), INTERNAL, "connect before init");
+        let mut props = std::mem::MaybeUninit::zeroed();
+        assert_eq!(NET9.get_properties.unwrap()(0, props.as_mut_ptr()), INTERNAL, "getProperties before init");
+    }
+}
+
+#[test]
+fn comms_outlive_a_finalized_context_and_work_until_closed() {
+    let _serial = ONE_AT_A_TIME.lock();
+    let ctx = Ctx::init();
+    let p = connect(&ctx);
+    drop(ctx);
+    assert_eq!(nccl_net_prism::global::census(), (0, false), "the last finalize releases the process-wide engine");
+    let msg = [7u8; 3000];
+    let mut got = [0u8; 3000];
+    let (rc, r) = irecv(p.recv, got.as_mut_ptr(), 3000);
+    assert_eq!(rc, NCCL_SUCCESS);
+    let (rc, s) = isend(p.send, msg.as_ptr(), 3000);
+    assert_eq!(rc, NCCL_SUCCESS);
+    assert_eq!(test_until_done(s), (NCCL_SUCCESS, 3000));
+    assert_eq!(test_until_done(r), (NCCL_SUCCESS, 3000));
+    assert_eq!(got, msg);
+    close(p);
+    // A new context gets a new engine.
+    let ctx = Ctx::init();
+    close(connect(&ctx));
+    drop(ctx);
+}
+
+fn open_fds() -> usize {
+    std::fs::read_dir("/proc/self/fd").expect("/proc/self/fd").count()
+}
+
+#[test]
+fn a_caller_that_copies_the_handle_before_every_connect_retry_connects_without_leaking() {
+    let _serial = ONE_AT_A_TIME.lock();
+    let ctx = Ctx::init();
+    let mut handle = [0u8; 128];
+    let mut listen = null_mut();
+    // SAFETY: the listen contract.
+    assert_eq!(unsafe { NET.listen.unwrap()(ctx.0, 0, handle.as_mut_ptr().cast(), &mut listen) }, NCCL_SUCCESS);
+    let fds = open_fds();
+    let (mut send, mut recv): (*mut c_void, *mut c_void) = (null_mut(), null_mut());
+    let start = Instant::now();
+    let mut calls = 0;
+    while send.is_null() || recv.is_null() {
+        if send.is_null() {
+            // NCCL passes the same buffer every time; this caller passes a fresh copy (no connect state).
+            let mut copy = handle;
+            calls += 1;
+            // SAFETY: the connect contract, with a copy of the handle.
+            assert_eq!(unsafe { NET.connect.unwrap()(ctx.0, 0, copy.as_mut_ptr().cast(), &mut send, null_mut()) }, NCCL_SUCCESS);
+        }
+        if recv.is_null() {
+            // SAFETY: the accept contract.
+            assert_eq!(unsafe { NET.accept.unwrap()(listen, &mut recv, null_mut()) }, NCCL_SUCCESS);
+        }
+        // It used to start a new connect (a new socket) on every call and never finish one: 16,548
+        // calls and 7,000 descriptors in 5 s, with no send comm.
+        assert!(start.elapsed() < Duration::from_secs(10), "no connection after {calls} calls; {} descriptors open", open_fds());
+        assert!(open_fds() < fds + 64, "{} descriptors open after {calls} connect calls (from {fds})", open_fds());
+    }
+    // SAFETY: closed once.
+    assert_eq!(unsafe { NET.close_listen.unwrap()(listen) }, NCCL_SUCCESS);
+    let p = Pair { send, recv };
+    let msg = [3u8; 500];
+    let mut got = [0u8; 500];
+    let (_, r) = irecv(p.recv, got.as_mut_ptr(), 500);
+    let (_, s) = isend(p.send, msg.as_ptr(), 500);
+    assert_eq!(test_until_done(s), (NCCL_SUCCESS, 500));
+    assert_eq!(test_until_done(r), (NCCL_SUCCESS, 500));
+    assert_eq!(got, msg);
+    close(p);
+    drop(ctx);
+}
+
+#[test]
+fn several_connects_to_one_handle_each_get_their_own_comm() {
+    const N: usize = 4;
+    let _serial = ONE_AT_A_TIME.lock();
+    let ctx = Ctx::init();
+    let mut handle = [0u8; 128];
+    let mut listen = null_mut();
+    // SAFETY: the listen contract.
+    assert_eq!(unsafe { NET.listen.unwrap()(ctx.0, 0, handle.as_mut_ptr().cast(), &mut listen) }, NCCL_SUCCESS);
+    // Each connector keeps its own copy across retries, as NCCL does; all run interleaved.
+    let mut copies = [handle; N];
+    let mut sends = [null_mut::<c_void>(); N];
+    let mut recvs = Vec::new();
+    let start = Instant::now();
+    while sends.iter().any(|s| s.is_null()) || recvs.len() < N {
+        for i in 0..N {
+            if sends[i].is_null() {
+                // SAFETY: the connect contract, each connector with its own handle buffer.
+                let rc = unsafe { NET.connect.unwrap()(ctx.0, 0, copies[i].as_mut_ptr().cast(), &mut sends[i], null_mut()) };
+                assert_eq!(rc, NCCL_SUCCESS);
+            }
+        }
+        if recvs.len() < N {
+            let mut r = null_mut();
+            // SAFETY: the accept contract.
+            assert_eq!(unsafe { NET.accept.unwrap()(listen, &mut r, null_mut()) }, NCCL_SUCCESS);
+            if !r.is_null() {
+                recvs.push(r);
+            }
+        }
+        assert!(start.elapsed() < Duration::from_secs(30), "not every connect got through within 30 s");
+    }
+    let distinct: std::collections::HashSet<usize> = sends.iter().map(|&s| s as usize).collect();
+    assert_eq!(distinct.len(), N, "two connects were handed the same comm");
+    // Each send comm reaches exactly one recv comm: message i goes out on send i; the receives
+    // together get each message once.
+    let msgs: Vec<[u8; 64]> = (0..N).map(|i| [i as u8 + 1; 64]).collect();
+    let mut gots = vec![[0u8; 64]; N];
+    let rreqs: Vec<_> = recvs.iter().zip(gots.iter_mut()).map(|(&r, g)| irecv(r, g.as_mut_ptr(), 64).1).collect();
+    let sreqs: Vec<_> = sends.iter().zip(&msgs).map(|(&s, m)| isend(s, m.as_ptr(), 64).1).collect();
+    for r in sreqs.into_iter().chain(rreqs) {
+        assert_eq!(test_until_done(r), (NCCL_SUCCESS, 64));
+    }
+    let mut firsts: Vec<u8> = gots.iter().map(|g| g[0]).collect();
+    firsts.sort_unstable();
+    assert_eq!(firsts, (1..=N as u8).collect::<Vec<_>>());
+    // SAFETY: every comm closed once.
+    unsafe {
+        for (&s, &r) in sends.iter().zip(&recvs) {
+            assert_eq!(NET.close_send.unwrap()(s), NCCL_SUCCESS);
+            assert_eq!(NET.close_recv.unwrap()(r), NCCL_SUCCESS);
+        }
+        assert_eq!(NET.close_listen.unwrap()(listen), NCCL_SUCCESS);
+    }
+    drop(ctx);
+}
