@@ -846,3 +846,28 @@ fn several_connects_to_one_handle_each_get_their_own_comm() {
     }
     drop(ctx);
 }
+
+#[test]
+fn a_refused_test_call_does_not_consume_the_completion() {
+    let _serial = ONE_AT_A_TIME.lock();
+    let ctx = Ctx::init();
+    let p = connect(&ctx);
+    let msg = [4u8; 1000];
+    let mut got = [0u8; 1000];
+    let (_, r) = irecv(p.recv, got.as_mut_ptr(), 1000);
+    let (_, s) = isend(p.send, msg.as_ptr(), 1000);
+    let mut words = [0 as c_int; 4];
+    let odd = words.as_mut_ptr().cast::<u8>().wrapping_add(1).cast::<c_int>();
+    // Wait until the receive is certainly complete (the send completes once the receiver acknowledged
+    // every byte), then test the receive with a misaligned sizes pointer: refused, and still there.
+    assert_eq!(test_until_done(s), (NCCL_SUCCESS, 1000));
+    std::thread::sleep(Duration::from_millis(50));
+    let mut done = 0;
+    // SAFETY: a live request; `odd` must be refused before anything is written through it.
+    assert_eq!(unsafe { NET.test.unwrap()(r, &mut done, odd) }, INTERNAL, "test with a misaligned sizes pointer");
+    assert_eq!(done, 0);
+    assert_eq!(test_until_done(r), (NCCL_SUCCESS, 1000), "the completion must still be reported");
+    assert_eq!(got, msg);
+    close(p);
+    drop(ctx);
+}

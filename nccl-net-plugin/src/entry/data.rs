@@ -336,6 +336,11 @@ pub unsafe extern "C" fn test(request: *mut c_void, done: *mut c_int, sizes: *mu
         let token = unsafe { Tagged::<RequestToken>::from_ptr(request, "request") }?;
         // SAFETY: NCCL passes a writable int.
         unsafe { write_out(done, 0, "done") }?;
+        // Every argument is checked before the request is tested: a completed request is freed, so a
+        // call refused after that would lose its completion.
+        if !sizes.is_null() && !sizes.is_aligned() {
+            return Err(invalid(format!("sizes {sizes:p} is misaligned")));
+        }
         let reported: Vec<c_int> = match token.kind {
             CommKind::Send => {
                 // SAFETY: the token's comm pointer was set from the live comm that owns the token.
@@ -355,11 +360,9 @@ pub unsafe extern "C" fn test(request: *mut c_void, done: *mut c_int, sizes: *mu
             }
         };
         if !sizes.is_null() {
-            if !sizes.is_aligned() {
-                return Err(invalid(format!("sizes {sizes:p} is misaligned")));
-            }
             for (i, s) in reported.iter().enumerate() {
-                // SAFETY: NCCL passes room for one size per buffer of the request (n <= maxRecvs).
+                // SAFETY: aligned (checked above); NCCL passes room for one size per buffer of the
+                // request (n <= maxRecvs).
                 unsafe { sizes.add(i).write(*s) };
             }
         }
