@@ -117,6 +117,18 @@ impl<T: Kind> Tagged<T> {
         self.magic.load(Ordering::Acquire) == T::MAGIC
     }
 
+    /// The first checks of a pointer NCCL passed, which need not read it.
+    fn non_null_aligned(ptr: *mut c_void, what: &str) -> Result<*mut Self, PluginError> {
+        if ptr.is_null() {
+            return Err(invalid(format!("{what} is NULL")));
+        }
+        let p = ptr.cast::<Self>();
+        if !p.is_aligned() {
+            return Err(invalid(format!("{what} {ptr:p} is not a Prism {} (misaligned)", T::NAME)));
+        }
+        Ok(p)
+    }
+
     /// Borrows the object behind a pointer NCCL passed.
     ///
     /// # Safety
@@ -132,13 +144,7 @@ impl<T: Kind> Tagged<T> {
     /// # Safety
     /// As for [`Tagged::from_ptr`].
     pub unsafe fn tagged_from_ptr<'a>(ptr: *mut c_void, what: &str) -> Result<&'a Self, PluginError> {
-        if ptr.is_null() {
-            return Err(invalid(format!("{what} is NULL")));
-        }
-        let p = ptr.cast::<Self>();
-        if !p.is_aligned() {
-            return Err(invalid(format!("{what} {ptr:p} is not a Prism {} (misaligned)", T::NAME)));
-        }
+        let p = Self::non_null_aligned(ptr, what)?;
         if let Some(why) = not_live(&LIVE.read(), ptr as usize, T::MAGIC, std::mem::size_of::<Self>()) {
             return Err(invalid(format!("{what} {ptr:p} is not a live Prism {} ({why})", T::NAME)));
         }
@@ -161,10 +167,10 @@ impl<T: Kind> Tagged<T> {
     /// As for [`Tagged::from_ptr`], and the object must have come from [`Tagged::into_raw`] and not be
     /// in use by another thread.
     pub unsafe fn take(ptr: *mut c_void, what: &str) -> Result<T, PluginError> {
-        // SAFETY: forwarded contract.
-        let tagged = unsafe { Self::tagged_from_ptr(ptr, what) }?;
+        let p = Self::non_null_aligned(ptr, what)?;
         {
-            // Checked and removed under one lock: of two threads closing one object, one wins.
+            // Checked and removed under one lock, before anything is read: of two threads closing one
+            // object, one wins and the other is refused.
             let mut live = LIVE.write();
             if let Some(why) = not_live(&live, ptr as usize, T::MAGIC, std::mem::size_of::<Self>()) {
                 return Err(invalid(format!("{what} {ptr:p} is not a live Prism {} ({why})", T::NAME)));
@@ -174,9 +180,10 @@ impl<T: Kind> Tagged<T> {
             }
             live.remove(&(ptr as usize));
         }
-        tagged.magic.store(DEAD, Ordering::Release);
-        // SAFETY: the object came from Box::into_raw in into_raw and nobody else uses it now.
-        let boxed = unsafe { Box::from_raw(ptr.cast::<Self>()) };
+        // SAFETY: it was registered as a live, boxed Tagged<T> (from into_raw), and unregistering it
+        // made this call its only owner; by the caller's contract nobody else uses it now.
+        let boxed = unsafe { Box::from_raw(p) };
+        boxed.magic.store(DEAD, Ordering::Release);
         Ok(boxed.value)
     }
 }

@@ -871,3 +871,35 @@ fn a_refused_test_call_does_not_consume_the_completion() {
     close(p);
     drop(ctx);
 }
+
+#[test]
+fn two_threads_closing_one_object_at_once_free_it_once() {
+    let _serial = ONE_AT_A_TIME.lock();
+    let ctx = Ctx::init();
+    let p = connect(&ctx);
+    let buf = [0u8; 256];
+    for round in 0..500 {
+        let mut mh = null_mut();
+        // SAFETY: regMr of a live buffer on our comm.
+        assert_eq!(unsafe { NET.reg_mr.unwrap()(p.send, buf.as_ptr() as *mut c_void, 256, PTR_HOST, &mut mh) }, NCCL_SUCCESS);
+        let (mh, comm) = (mh as usize, p.send as usize);
+        let barrier = std::sync::Barrier::new(2);
+        let rcs: Vec<c_int> = std::thread::scope(|sc| {
+            let hs: Vec<_> = (0..2)
+                .map(|_| {
+                    sc.spawn(|| {
+                        barrier.wait();
+                        // SAFETY: both threads deregister the same handle: one must win, the other be refused.
+                        unsafe { NET.dereg_mr.unwrap()(comm as *mut c_void, mh as *mut c_void) }
+                    })
+                })
+                .collect();
+            hs.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        let mut rcs = rcs;
+        rcs.sort_unstable();
+        assert_eq!(rcs, vec![NCCL_SUCCESS, INTERNAL], "round {round}");
+    }
+    close(p);
+    drop(ctx);
+}
