@@ -106,7 +106,10 @@ where
             (0..kind.pool_size()).map(|i| Tagged::new(RequestToken { comm: raw.cast_const(), kind, index: i as u16 })).collect();
         // SAFETY: `raw` came from Box::into_raw just above and has not been shared yet, so this is the
         // only access; assigning through the raw pointer replaces the empty token slice.
-        unsafe { (*raw.cast::<Tagged<Self>>()).value.tokens = tokens };
+        let obj = unsafe { &mut (*raw.cast::<Tagged<Self>>()).value };
+        obj.tokens = tokens;
+        // Request pointers are found through the registry from now on, until the comm is dropped.
+        Tagged::register(&obj.tokens);
         raw
     }
 
@@ -142,6 +145,13 @@ where
     /// Requests outstanding (for tests and logs).
     pub fn outstanding(&self) -> usize {
         self.inner.lock().pool.outstanding()
+    }
+}
+
+impl<E: Engine> Drop for CommObj<E> {
+    /// The requests of a closed comm are refused from now on, before their memory goes with the comm.
+    fn drop(&mut self) {
+        Tagged::unregister(&self.tokens);
     }
 }
 

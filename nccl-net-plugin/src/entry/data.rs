@@ -4,7 +4,7 @@ use std::ffi::{c_int, c_void};
 
 use prism_transport::engine::{RecvBuf, MAX_RECVS};
 
-use crate::abi::{NcclResult, PTR_CUDA};
+use crate::abi::{NcclResult, MAX_NET_SIZE_BYTES, PTR_CUDA};
 use crate::buf::{HostRecvBuf, HostSendBuf};
 use crate::comm::{RecvObj, SendObj};
 use crate::error::{invalid, PluginError};
@@ -118,6 +118,24 @@ unsafe fn check_mr(mhandle: *mut c_void, data: *mut c_void, size: usize) -> Resu
 
 // ---------------------------------------------------------------- data path
 
+/// The largest send: what `test` can report in its `int` size.
+const MAX_SEND_BYTES: usize = c_int::MAX as usize;
+
+/// Checks one message buffer of `isend`/`irecv`: NULL only when empty, at most `max` bytes, and not
+/// wrapping around the address space.
+fn check_buffer(call: &str, data: *mut c_void, size: usize, max: usize) -> Result<(), PluginError> {
+    if data.is_null() && size > 0 {
+        return Err(invalid(format!("{call} of {size} bytes at NULL")));
+    }
+    if size > max {
+        return Err(invalid(format!("{call} of {size} bytes: at most {max}")));
+    }
+    if (data as usize).checked_add(size).is_none() {
+        return Err(invalid(format!("{call} range {data:p} + {size} wraps around the address space")));
+    }
+    Ok(())
+}
+
 /// Shared body of every `isend`.
 ///
 /// # Safety
@@ -135,9 +153,9 @@ unsafe fn post_send(
     let out = unsafe { out_ptr(request, "request") }?;
     // SAFETY: forwarded contract.
     let comm = unsafe { Tagged::<SendObj>::from_ptr(send_comm, "sendComm") }?;
-    if data.is_null() && size > 0 {
-        return Err(invalid(format!("isend of {size} bytes from NULL")));
-    }
+    // A send completes with its size in test()'s int: a larger one could never succeed, and planning
+    // it would cost time and memory in proportion to its size inside this call.
+    check_buffer("isend", data, size, MAX_SEND_BYTES)?;
     // SAFETY: forwarded contract.
     unsafe { check_mr(mhandle, data, size) }?;
     // SAFETY: NCCL keeps `data` readable and unchanged for `size` bytes until test reports the request
@@ -233,9 +251,7 @@ unsafe fn post_recv(
     };
     let mut bufs: Vec<(Box<dyn RecvBuf>, i32)> = Vec::with_capacity(n);
     for i in 0..n {
-        if data[i].is_null() && sizes[i] > 0 {
-            return Err(invalid(format!("irecv buffer {i} of {} bytes is NULL", sizes[i])));
-        }
+        check_buffer(&format!("irecv buffer {i}"), data[i], sizes[i], MAX_NET_SIZE_BYTES)?;
         if let Some(mh) = mhandles {
             // SAFETY: forwarded contract.
             unsafe { check_mr(mh[i], data[i], sizes[i]) }?;
@@ -320,6 +336,11 @@ pub unsafe extern "C" fn test(request: *mut c_void, done: *mut c_int, sizes: *mu
         let token = unsafe { Tagged::<RequestToken>::from_ptr(request, "request") }?;
         // SAFETY: NCCL passes a writable int.
         unsafe { write_out(done, 0, "done") }?;
+        // Every argument is checked before the request is tested: a completed request is freed, so a
+        // call refused after that would lose its completion.
+        if !sizes.is_null() && !sizes.is_aligned() {
+            return Err(invalid(format!("sizes {sizes:p} is misaligned")));
+        }
         let reported: Vec<c_int> = match token.kind {
             CommKind::Send => {
                 // SAFETY: the token's comm pointer was set from the live comm that owns the token.
@@ -339,11 +360,9 @@ pub unsafe extern "C" fn test(request: *mut c_void, done: *mut c_int, sizes: *mu
             }
         };
         if !sizes.is_null() {
-            if !sizes.is_aligned() {
-                return Err(invalid(format!("sizes {sizes:p} is misaligned")));
-            }
             for (i, s) in reported.iter().enumerate() {
-                // SAFETY: NCCL passes room for one size per buffer of the request (n <= maxRecvs).
+                // SAFETY: aligned (checked above); NCCL passes room for one size per buffer of the
+                // request (n <= maxRecvs).
                 unsafe { sizes.add(i).write(*s) };
             }
         }

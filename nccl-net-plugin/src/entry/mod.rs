@@ -8,7 +8,8 @@
 //! Safety contract of every function here: NCCL passes each pointer either NULL or valid for what the
 //! ABI says the slot does with it (out-pointers writable, arrays of `n` entries, buffers alive until
 //! their request completes, objects that this plugin returned earlier and has not freed). NULL,
-//! misaligned pointers, and objects of the wrong kind are detected and refused.
+//! misaligned pointers, objects of the wrong kind, and object pointers Prism never returned or already
+//! closed (see [`crate::handle`]) are detected and refused without being read.
 
 use std::ffi::{c_int, c_void};
 use std::panic::{catch_unwind, AssertUnwindSafe};

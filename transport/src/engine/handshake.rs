@@ -155,8 +155,13 @@ struct PendingConnect {
     stage: Stage,
     verbs: Option<VerbsComm>,
     started: Instant,
+    /// The last call that drove this connect.
+    last_call: Instant,
     target: SocketAddrV4,
 }
+
+/// A connect called within this long counts as being driven by a caller (see `Connector::connect`).
+const DRIVEN_WITHIN: std::time::Duration = std::time::Duration::from_secs(1);
 
 pub(super) fn io_err(what: impl Into<String>) -> impl FnOnce(io::Error) -> TransportError {
     let what = what.into();
@@ -198,6 +203,25 @@ impl Connector {
         // until the engine goes: one past twice the connect timeout is nobody's any more.
         let abandoned = std::time::Duration::from_millis(inner.cfg.connect_timeout_ms.saturating_mul(2));
         pending.retain(|&k, pc| k == key || pc.started.elapsed() <= abandoned);
+        if key == 0 {
+            // NCCL passes the same handle buffer on every retry. A caller that copies the handle
+            // before each retry brings no key: it takes up the oldest connect to the same listener that
+            // someone is driving, instead of starting one more (a socket each call, never finished).
+            // Two callers that do keep their copies may share a connect this way: the one that gets
+            // its comm stops calling, the other starts its own on its next call.
+            if let Ok(target) = parse_handle(handle) {
+                let nonce = u64::from_be_bytes(handle[12..20].try_into().expect("8 bytes"));
+                let driven = pending
+                    .iter()
+                    .filter(|(_, pc)| pc.dev == dev && pc.target == target && pc.nonce == nonce && pc.last_call.elapsed() < DRIVEN_WITHIN)
+                    .min_by_key(|(_, pc)| pc.started)
+                    .map(|(&k, _)| k);
+                if let Some(k) = driven {
+                    handle[STAGE_OFF..STAGE_OFF + 8].copy_from_slice(&k.to_be_bytes());
+                }
+            }
+        }
+        let key = u64::from_be_bytes(handle[STAGE_OFF..STAGE_OFF + 8].try_into().expect("8 bytes"));
         if key == 0 || !pending.contains_key(&key) {
             let target = parse_handle(handle)?;
             let rail = inner.rails.get(dev).ok_or(TransportError::BadDevice { dev, ndev: inner.rails.len() })?;
@@ -222,6 +246,7 @@ impl Connector {
                     inp: vec![0; HELLO_LEN],
                     stage: Stage::Connecting,
                     started: Instant::now(),
+                    last_call: Instant::now(),
                     target,
                     verbs,
                 },
@@ -230,6 +255,7 @@ impl Connector {
         }
         let key = u64::from_be_bytes(handle[STAGE_OFF..STAGE_OFF + 8].try_into().expect("8 bytes"));
         let pc = pending.get_mut(&key).expect("inserted above");
+        pc.last_call = Instant::now();
         match Self::advance(inner, pc) {
             Ok(None) => {
                 let ms = pc.started.elapsed().as_millis() as u64;
