@@ -37,6 +37,8 @@ typedef int prism_result_t;
 /* On entry to irecv, *request may hold this value: completion is optional (LL/LL128). */
 #define PRISM_OPTIONAL_RECV_COMPLETION ((void*)0x1)
 #define PRISM_MAX_NET_SIZE_BYTES (1024LL * 1024 * 1024 * 1024)
+/* The maxP2pBytes Prism announces (1 GiB, as NCCL's IB transport: test() reports sizes in an int). */
+#define PRISM_MAX_P2P_BYTES (1024LL * 1024 * 1024)
 
 /* Logger levels and subsystems (the plugin calls the logger with fmt = "%s"). */
 #define PRISM_LOG_NONE 0

@@ -573,13 +573,13 @@ static int scenario_properties(void) {
     if (g_version == 12) {
       prism_net_properties_v12_t* q = &u.v12;
       CHECK(q->vProps.ndevs == 1 && q->vProps.devs[0] == dev, "device %d vProps {%d, {%d}}", dev, q->vProps.ndevs, q->vProps.devs[0]);
-      CHECK(q->maxP2pBytes == (size_t)PRISM_MAX_NET_SIZE_BYTES && q->maxCollBytes == (size_t)PRISM_MAX_NET_SIZE_BYTES,
+      CHECK(q->maxP2pBytes == (size_t)PRISM_MAX_P2P_BYTES && q->maxCollBytes == (size_t)PRISM_MAX_NET_SIZE_BYTES,
             "device %d maxP2pBytes %zu maxCollBytes %zu", dev, q->maxP2pBytes, q->maxCollBytes);
       CHECK(q->maxMultiRequestSize == 1 && q->railId == dev && q->planeId == -1,
             "device %d maxMultiRequestSize %d railId %d planeId %d", dev, q->maxMultiRequestSize, q->railId, q->planeId);
     } else {
       CHECK(p->vProps.ndevs == 1 && p->vProps.devs[0] == dev, "device %d vProps {%d, {%d}}", dev, p->vProps.ndevs, p->vProps.devs[0]);
-      CHECK(p->maxP2pBytes == (size_t)PRISM_MAX_NET_SIZE_BYTES && p->maxCollBytes == (size_t)PRISM_MAX_NET_SIZE_BYTES,
+      CHECK(p->maxP2pBytes == (size_t)PRISM_MAX_P2P_BYTES && p->maxCollBytes == (size_t)PRISM_MAX_NET_SIZE_BYTES,
             "device %d maxP2pBytes %zu maxCollBytes %zu", dev, p->maxP2pBytes, p->maxCollBytes);
       if (g_version == 11) CHECK(u.v11.maxMultiRequestSize == 1, "device %d maxMultiRequestSize %d", dev, u.v11.maxMultiRequestSize);
     }

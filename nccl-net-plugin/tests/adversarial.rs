@@ -301,6 +301,7 @@ fn counts_sizes_and_types_out_of_range_are_refused() {
     let props = unsafe { props.assume_init() };
     let max_recvs = props.max_recvs;
     let max_p2p = props.max_p2p_bytes;
+    assert!(max_p2p <= c_int::MAX as usize, "maxP2pBytes {max_p2p}: a message that large could not be reported by test()");
     // Above maxP2pBytes, and ranges that wrap around the address space: refused before anything is read.
     for size in [max_p2p + 1, usize::MAX, usize::MAX / 2] {
         let (rc, req) = isend(p.send, bp, size);
@@ -310,7 +311,7 @@ fn counts_sizes_and_types_out_of_range_are_refused() {
     }
     // A send whose size test() cannot report (an int) is refused when posted, at once: it used to be
     // accepted and planned chunk by chunk (a 1 TiB isend took 5-7 s and 2.6 GB inside the call).
-    for size in [c_int::MAX as usize + 1, max_p2p] {
+    for size in [c_int::MAX as usize + 1, max_p2p + 1] {
         let start = Instant::now();
         let (rc, req) = isend(p.send, bp, size);
         assert_eq!((rc, req.is_null()), (INTERNAL, true), "isend of {size} bytes");

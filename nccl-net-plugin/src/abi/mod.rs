@@ -40,6 +40,10 @@ pub const PTR_DMABUF: c_int = 0x4;
 pub const OPTIONAL_RECV_COMPLETION: usize = 0x1;
 /// `NCCL_MAX_NET_SIZE_BYTES`: the largest `maxP2pBytes`/`maxCollBytes` NCCL accepts (1 TiB).
 pub const MAX_NET_SIZE_BYTES: usize = 1 << 40;
+/// The `maxP2pBytes` Prism announces: 1 GiB, as NCCL's own IB transport (`MAX_NET_SIZE`). A completed
+/// message's size is reported in `test`'s `int`, so no single send or receive past 2 GiB - 1 could
+/// ever complete; announcing NCCL's ceiling (1 TiB) promised what does not work.
+pub const MAX_P2P_BYTES: usize = 1 << 30;
 /// `NCCL_NET_DEVICE_HOST`: no device offload.
 pub const NET_DEVICE_HOST: c_int = 0;
 /// `NCCL_NET_DEVICE_INVALID_VERSION`: the offload version of a host device.

@@ -7,7 +7,7 @@
 
 use std::ffi::{c_char, c_int};
 
-use super::{MAX_NET_SIZE_BYTES, NET_DEVICE_HOST, NET_DEVICE_INVALID_VERSION, PTR_HOST};
+use super::{MAX_NET_SIZE_BYTES, MAX_P2P_BYTES, NET_DEVICE_HOST, NET_DEVICE_INVALID_VERSION, PTR_HOST};
 
 /// `ncclNetVDeviceProps_v9_t` .. `_v11_t`: devices fused into one (at most 4).
 #[repr(C)]
@@ -189,7 +189,7 @@ impl DeviceProps {
             net_device_type: NET_DEVICE_HOST,
             net_device_version: NET_DEVICE_INVALID_VERSION,
             v_props: VDevicePropsV9 { ndevs: 1, devs: [self.dev, 0, 0, 0] },
-            max_p2p_bytes: MAX_NET_SIZE_BYTES,
+            max_p2p_bytes: MAX_P2P_BYTES,
             max_coll_bytes: MAX_NET_SIZE_BYTES,
         }
     }
@@ -331,7 +331,7 @@ mod tests {
         assert_eq!(p.speed, 25_000);
         assert_eq!(p.max_recvs, 8);
         assert_eq!(p.max_comms, 65536);
-        assert_eq!((p.max_p2p_bytes, p.max_coll_bytes), (MAX_NET_SIZE_BYTES, MAX_NET_SIZE_BYTES));
+        assert_eq!((p.max_p2p_bytes, p.max_coll_bytes), (MAX_P2P_BYTES, MAX_NET_SIZE_BYTES));
     }
 
     #[test]

@@ -4,7 +4,7 @@ use std::ffi::{c_int, c_void};
 
 use prism_transport::engine::{RecvBuf, MAX_RECVS};
 
-use crate::abi::{NcclResult, MAX_NET_SIZE_BYTES, PTR_CUDA};
+use crate::abi::{NcclResult, MAX_P2P_BYTES, PTR_CUDA};
 use crate::buf::{HostRecvBuf, HostSendBuf};
 use crate::comm::{RecvObj, SendObj};
 use crate::error::{invalid, PluginError};
@@ -118,8 +118,10 @@ unsafe fn check_mr(mhandle: *mut c_void, data: *mut c_void, size: usize) -> Resu
 
 // ---------------------------------------------------------------- data path
 
-/// The largest send: what `test` can report in its `int` size.
-const MAX_SEND_BYTES: usize = c_int::MAX as usize;
+/// The largest send or receive buffer: the `maxP2pBytes` Prism announces (below what `test` can
+/// report in its `int` size).
+const MAX_BUFFER_BYTES: usize = MAX_P2P_BYTES;
+const _: () = assert!(MAX_BUFFER_BYTES <= c_int::MAX as usize);
 
 /// Checks one message buffer of `isend`/`irecv`: NULL only when empty, at most `max` bytes, and not
 /// wrapping around the address space.
@@ -153,9 +155,9 @@ unsafe fn post_send(
     let out = unsafe { out_ptr(request, "request") }?;
     // SAFETY: forwarded contract.
     let comm = unsafe { Tagged::<SendObj>::from_ptr(send_comm, "sendComm") }?;
-    // A send completes with its size in test()'s int: a larger one could never succeed, and planning
-    // it would cost time and memory in proportion to its size inside this call.
-    check_buffer("isend", data, size, MAX_SEND_BYTES)?;
+    // At most maxP2pBytes, which test()'s int can report: a larger send was planned chunk by chunk
+    // inside this call (time and memory in proportion to its size) and could never complete.
+    check_buffer("isend", data, size, MAX_BUFFER_BYTES)?;
     // SAFETY: forwarded contract.
     unsafe { check_mr(mhandle, data, size) }?;
     // SAFETY: NCCL keeps `data` readable and unchanged for `size` bytes until test reports the request
@@ -251,7 +253,7 @@ unsafe fn post_recv(
     };
     let mut bufs: Vec<(Box<dyn RecvBuf>, i32)> = Vec::with_capacity(n);
     for i in 0..n {
-        check_buffer(&format!("irecv buffer {i}"), data[i], sizes[i], MAX_NET_SIZE_BYTES)?;
+        check_buffer(&format!("irecv buffer {i}"), data[i], sizes[i], MAX_BUFFER_BYTES)?;
         if let Some(mh) = mhandles {
             // SAFETY: forwarded contract.
             unsafe { check_mr(mh[i], data[i], sizes[i]) }?;
