@@ -2,7 +2,7 @@
 //! receiver thread move datagrams of one size over loopback as fast as the kernel lets them, either
 //! one datagram per message (`sendmmsg`/`recvmmsg`, "plain") or in GSO trains (`UDP_SEGMENT`, up to
 //! 64 KiB per message) received coalesced (`UDP_GRO`). It reports goodput (bytes the receiver got per
-//! second of wall time, from the sender's start to the last datagram received) and the CPU time of
+//! second of wall time, from the start (after both threads' set-up) to the last datagram received) and the CPU time of
 //! both threads per received byte. Loopback drops what overflows the receiver's buffer, so the sender
 //! may send more than arrives: only received bytes count.
 //!
@@ -20,7 +20,7 @@ use std::io::{IoSlice, IoSliceMut};
 use std::net::{Ipv4Addr, UdpSocket};
 use std::os::fd::AsRawFd;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Barrier};
 use std::time::{Duration, Instant};
 
 use nix::sys::resource::{getrusage, UsageWho};
@@ -155,18 +155,22 @@ pub fn run(cfg: &PumpConfig) -> Result<PumpResult, PumpError> {
         }
     };
     let done = Arc::new(AtomicBool::new(false));
-    let start = Instant::now();
+    // Both threads set up (the placed modes fill 64 MiB each) and then start the clock together: set-up
+    // is neither timed nor charged, and a loaded machine cannot spend the whole duration on it (a
+    // 200 ms run that did sent nothing).
+    let ready = Arc::new(Barrier::new(2));
     let receiver = {
         let done = done.clone();
+        let ready = ready.clone();
         let mode = cfg.mode;
         let size = cfg.size;
-        std::thread::spawn(move || receive(&rx, mode, size, &done, start))
+        std::thread::spawn(move || receive(&rx, mode, size, &done, &ready))
     };
     let sender = {
         let done = done.clone();
         let cfg = *cfg;
         std::thread::spawn(move || {
-            let r = send(&tx, &cfg, train, start);
+            let r = send(&tx, &cfg, train, &ready);
             done.store(true, Ordering::Release);
             r
         })
@@ -191,8 +195,7 @@ pub fn run(cfg: &PumpConfig) -> Result<PumpResult, PumpError> {
 }
 
 /// Send until the time or byte budget is spent; (bytes sent, CPU seconds).
-fn send(tx: &UdpSocket, cfg: &PumpConfig, train: usize, start: Instant) -> Result<(u64, f64), PumpError> {
-    let cpu0 = thread_cpu();
+fn send(tx: &UdpSocket, cfg: &PumpConfig, train: usize, ready: &Barrier) -> Result<(u64, f64), PumpError> {
     let fd = tx.as_raw_fd();
     let msg_bytes = cfg.size * train;
     let batch = if cfg.mode == Mode::Plain { PLAIN_BATCH } else { GSO_BATCH };
@@ -210,13 +213,17 @@ fn send(tx: &UdpSocket, cfg: &PumpConfig, train: usize, start: Instant) -> Resul
         .collect();
     let mut next = 0;
     let addrs: Vec<Option<SockaddrIn>> = vec![None; batch];
-    let seg = u16::try_from(cfg.size).map_err(|_| PumpError::Size(cfg.size))?;
+    // (Fallible steps come after the barrier: the receiver must not wait at it for ever.)
+    let seg = u16::try_from(cfg.size);
     let gso_mode = cfg.mode != Mode::Plain;
     let cmsg_space = if gso_mode { Some(nix::cmsg_space!(u16)) } else { None };
     let mut hdrs = MultiHeaders::<SockaddrIn>::preallocate(batch, cmsg_space);
+    let mut sent = 0u64;
+    ready.wait();
+    let (start, cpu0) = (Instant::now(), thread_cpu());
+    let seg = seg.map_err(|_| PumpError::Size(cfg.size))?;
     let gso = [ControlMessage::UdpGsoSegments(&seg)];
     let cmsgs: &[ControlMessage<'_>] = if gso_mode { &gso } else { &[] };
-    let mut sent = 0u64;
     while sent < cfg.max_bytes && start.elapsed() < cfg.duration {
         let window = &iovs[next * batch..(next + 1) * batch];
         match sendmmsg(fd, &mut hdrs, window, &addrs, cmsgs, MsgFlags::empty()) {
@@ -235,8 +242,7 @@ fn send(tx: &UdpSocket, cfg: &PumpConfig, train: usize, start: Instant) -> Resul
 
 /// Receive until the sender is done and nothing arrived for `IDLE`; (bytes, time of the last
 /// datagram since `start`, CPU seconds).
-fn receive(rx: &UdpSocket, mode: Mode, size: usize, done: &AtomicBool, start: Instant) -> Result<(u64, Duration, f64), PumpError> {
-    let cpu0 = thread_cpu();
+fn receive(rx: &UdpSocket, mode: Mode, size: usize, done: &AtomicBool, ready: &Barrier) -> Result<(u64, Duration, f64), PumpError> {
     let fd = rx.as_raw_fd();
     let (batch, buf_len) = match mode {
         Mode::Plain => (PLAIN_BATCH, size),
@@ -252,6 +258,8 @@ fn receive(rx: &UdpSocket, mode: Mode, size: usize, done: &AtomicBool, start: In
     let mut bytes = 0u64;
     let mut last = Duration::ZERO;
     let mut lens: Vec<usize> = Vec::with_capacity(batch);
+    ready.wait();
+    let (start, cpu0) = (Instant::now(), thread_cpu());
     loop {
         let res = {
             let mut iovs: Vec<[IoSliceMut<'_>; 1]> = bufs.iter_mut().map(|b| [IoSliceMut::new(&mut b[..])]).collect();
