@@ -15,40 +15,16 @@ use nccl_net_prism::abi::{NCCL_SUCCESS, PTR_CUDA, PTR_HOST};
 use nccl_net_prism::exports::ncclNetPlugin_v12 as NET;
 use parking_lot::Mutex;
 
+mod common;
+use common::Ctx;
+
 static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
 
 /// ncclInternalError: what NCCL misuse gets.
 const INTERNAL: c_int = 3;
 
-/// Loopback, and a short connect timeout so that a connect to nobody fails within the test. The
-/// engine reads the environment at init, which the tests only call while holding ONE_AT_A_TIME.
-fn setup_env() {
-    if std::env::var_os("PRISM_IFNAMES").is_none() {
-        std::env::set_var("PRISM_IFNAMES", "lo");
-    }
-    std::env::set_var("PRISM_CONNECT_TIMEOUT_MS", "1500");
-}
-
-struct Ctx(*mut c_void);
-
-impl Ctx {
-    fn init() -> Ctx {
-        setup_env();
-        let mut ctx = null_mut();
-        // SAFETY: NCCL's init contract: a writable ctx slot, no config, no logger, no profiler.
-        let rc = unsafe { NET.init.unwrap()(&mut ctx, 1, null_mut(), None, None) };
-        assert_eq!(rc, NCCL_SUCCESS, "init");
-        assert!(!ctx.is_null());
-        Ctx(ctx)
-    }
-}
-
-impl Drop for Ctx {
-    fn drop(&mut self) {
-        // SAFETY: the context init returned, finalized once.
-        unsafe { NET.finalize.unwrap()(self.0) };
-    }
-}
+/// A short connect timeout, so that a connect to nobody fails within the test.
+const ENV: &[(&str, &str)] = &[("PRISM_CONNECT_TIMEOUT_MS", "1500")];
 
 struct Pair {
     send: *mut c_void,
@@ -147,7 +123,7 @@ impl Drop for NoAccessPage {
 #[test]
 fn pointers_to_memory_that_is_not_a_prism_object_are_refused_without_being_read() {
     let _serial = ONE_AT_A_TIME.lock();
-    let ctx = Ctx::init();
+    let ctx = Ctx::init(ENV);
     let page = NoAccessPage::new();
     let bad = page.0;
     let mut out = null_mut();
@@ -181,7 +157,7 @@ fn pointers_to_memory_that_is_not_a_prism_object_are_refused_without_being_read(
 #[test]
 fn null_and_misaligned_arguments_are_refused() {
     let _serial = ONE_AT_A_TIME.lock();
-    let ctx = Ctx::init();
+    let ctx = Ctx::init(ENV);
     let p = connect(&ctx);
     let mut buf = vec![0u8; 256];
     let mut req = null_mut();
@@ -245,7 +221,7 @@ fn null_and_misaligned_arguments_are_refused() {
 #[test]
 fn objects_of_the_wrong_kind_are_refused() {
     let _serial = ONE_AT_A_TIME.lock();
-    let ctx = Ctx::init();
+    let ctx = Ctx::init(ENV);
     let p = connect(&ctx);
     let mut handle = [0u8; 128];
     let mut listen = null_mut();
@@ -288,7 +264,7 @@ fn objects_of_the_wrong_kind_are_refused() {
 #[test]
 fn counts_sizes_and_types_out_of_range_are_refused() {
     let _serial = ONE_AT_A_TIME.lock();
-    let ctx = Ctx::init();
+    let ctx = Ctx::init(ENV);
     let p = connect(&ctx);
     let mut buf = vec![0u8; 4096];
     let bp = buf.as_mut_ptr();
@@ -361,7 +337,7 @@ fn counts_sizes_and_types_out_of_range_are_refused() {
 #[test]
 fn test_after_the_comm_closed_is_refused() {
     let _serial = ONE_AT_A_TIME.lock();
-    let ctx = Ctx::init();
+    let ctx = Ctx::init(ENV);
     let p = connect(&ctx);
     let msg = vec![9u8; 1 << 20];
     let mut reqs = Vec::new();
@@ -390,7 +366,7 @@ fn test_after_the_comm_closed_is_refused() {
 #[test]
 fn double_closes_and_double_deregistrations_are_refused() {
     let _serial = ONE_AT_A_TIME.lock();
-    let ctx = Ctx::init();
+    let ctx = Ctx::init(ENV);
     let p = connect(&ctx);
     let buf = [0u8; 64];
     let mut mh = null_mut();
@@ -430,7 +406,7 @@ fn double_closes_and_double_deregistrations_are_refused() {
 #[test]
 fn garbage_connection_handles_fail_and_never_hang() {
     let _serial = ONE_AT_A_TIME.lock();
-    let ctx = Ctx::init();
+    let ctx = Ctx::init(ENV);
     let mut good = [0u8; 128];
     let mut listen = null_mut();
     // SAFETY: the listen contract.
@@ -487,7 +463,7 @@ fn garbage_connection_handles_fail_and_never_hang() {
 #[test]
 fn accept_before_anyone_connects_answers_later() {
     let _serial = ONE_AT_A_TIME.lock();
-    let ctx = Ctx::init();
+    let ctx = Ctx::init(ENV);
     let mut handle = [0u8; 128];
     let mut listen = null_mut();
     // SAFETY: the listen/accept contracts.
@@ -506,7 +482,7 @@ fn accept_before_anyone_connects_answers_later() {
 #[test]
 fn ten_thousand_posts_without_a_test_stay_bounded() {
     let _serial = ONE_AT_A_TIME.lock();
-    let ctx = Ctx::init();
+    let ctx = Ctx::init(ENV);
     let p = connect(&ctx);
     let msg = vec![1u8; 256];
     let mut rbuf = vec![0u8; 256];
@@ -530,7 +506,7 @@ fn ten_thousand_posts_without_a_test_stay_bounded() {
 #[test]
 fn many_memory_registrations_come_and_go() {
     let _serial = ONE_AT_A_TIME.lock();
-    let ctx = Ctx::init();
+    let ctx = Ctx::init(ENV);
     let p = connect(&ctx);
     let buf = vec![0u8; 1 << 16];
     let mut handles = Vec::new();
@@ -553,7 +529,7 @@ fn many_memory_registrations_come_and_go() {
 #[test]
 fn two_threads_testing_one_comm_and_its_requests() {
     let _serial = ONE_AT_A_TIME.lock();
-    let ctx = Ctx::init();
+    let ctx = Ctx::init(ENV);
     let p = connect(&ctx);
     const N: usize = 200;
     let msgs: Vec<Vec<u8>> = (0..N).map(|i| vec![i as u8; 1000 + i]).collect();
@@ -637,7 +613,7 @@ impl Drop for FdLimit {
 #[test]
 fn running_out_of_file_descriptors_is_an_error_code_and_recovers() {
     let _serial = ONE_AT_A_TIME.lock();
-    let ctx = Ctx::init();
+    let ctx = Ctx::init(ENV);
     let mut pairs = Vec::new();
     let mut listens = Vec::new();
     {
@@ -724,7 +700,7 @@ fn legacy_calls_without_an_engine_are_refused() {
 #[test]
 fn comms_outlive_a_finalized_context_and_work_until_closed() {
     let _serial = ONE_AT_A_TIME.lock();
-    let ctx = Ctx::init();
+    let ctx = Ctx::init(ENV);
     let p = connect(&ctx);
     drop(ctx);
     assert_eq!(nccl_net_prism::global::census(), (0, false), "the last finalize releases the process-wide engine");
@@ -739,7 +715,7 @@ fn comms_outlive_a_finalized_context_and_work_until_closed() {
     assert_eq!(got, msg);
     close(p);
     // A new context gets a new engine.
-    let ctx = Ctx::init();
+    let ctx = Ctx::init(ENV);
     close(connect(&ctx));
     drop(ctx);
 }
@@ -751,7 +727,7 @@ fn open_fds() -> usize {
 #[test]
 fn a_caller_that_copies_the_handle_before_every_connect_retry_connects_without_leaking() {
     let _serial = ONE_AT_A_TIME.lock();
-    let ctx = Ctx::init();
+    let ctx = Ctx::init(ENV);
     let mut handle = [0u8; 128];
     let mut listen = null_mut();
     // SAFETY: the listen contract.
@@ -795,7 +771,7 @@ fn a_caller_that_copies_the_handle_before_every_connect_retry_connects_without_l
 fn several_connects_to_one_handle_each_get_their_own_comm() {
     const N: usize = 4;
     let _serial = ONE_AT_A_TIME.lock();
-    let ctx = Ctx::init();
+    let ctx = Ctx::init(ENV);
     let mut handle = [0u8; 128];
     let mut listen = null_mut();
     // SAFETY: the listen contract.
@@ -851,7 +827,7 @@ fn several_connects_to_one_handle_each_get_their_own_comm() {
 #[test]
 fn a_refused_test_call_does_not_consume_the_completion() {
     let _serial = ONE_AT_A_TIME.lock();
-    let ctx = Ctx::init();
+    let ctx = Ctx::init(ENV);
     let p = connect(&ctx);
     let msg = [4u8; 1000];
     let mut got = [0u8; 1000];
@@ -876,7 +852,7 @@ fn a_refused_test_call_does_not_consume_the_completion() {
 #[test]
 fn two_threads_closing_one_object_at_once_free_it_once() {
     let _serial = ONE_AT_A_TIME.lock();
-    let ctx = Ctx::init();
+    let ctx = Ctx::init(ENV);
     let p = connect(&ctx);
     let buf = [0u8; 256];
     for round in 0..500 {

@@ -12,45 +12,10 @@ use nccl_net_prism::global;
 use nccl_net_prism::requests::SEND_POOL_SIZE as POOL_SIZE;
 use parking_lot::Mutex;
 
+mod common;
+use common::Ctx;
+
 static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
-
-/// Loopback, whatever the machine's routes are. The engine reads the environment at init, which the
-/// tests only call while holding ONE_AT_A_TIME, so no other thread reads it while it changes.
-fn setup_env() {
-    if std::env::var_os("PRISM_IFNAMES").is_none() {
-        std::env::set_var("PRISM_IFNAMES", "lo");
-    }
-}
-
-struct Ctx(*mut c_void);
-
-impl Ctx {
-    fn init() -> Ctx {
-        setup_env();
-        let mut ctx = null_mut();
-        // SAFETY: NCCL's init contract: a writable ctx slot, no config, no logger, no profiler.
-        let rc = unsafe { NET.init.unwrap()(&mut ctx, 1, null_mut(), None, None) };
-        assert_eq!(rc, NCCL_SUCCESS, "init");
-        assert!(!ctx.is_null());
-        Ctx(ctx)
-    }
-
-    fn finalize(mut self) {
-        let ctx = std::mem::replace(&mut self.0, null_mut());
-        // SAFETY: the context init returned, finalized once.
-        assert_eq!(unsafe { NET.finalize.unwrap()(ctx) }, NCCL_SUCCESS);
-    }
-}
-
-impl Drop for Ctx {
-    /// A failed test still finalizes, so the next test starts without a leftover context.
-    fn drop(&mut self) {
-        if !self.0.is_null() {
-            // SAFETY: the context init returned, not finalized yet.
-            unsafe { NET.finalize.unwrap()(self.0) };
-        }
-    }
-}
 
 /// A connected (send comm, recv comm) pair over loopback, made with NCCL's retry loop.
 fn connect(ctx: &Ctx) -> (*mut c_void, *mut c_void) {
@@ -130,7 +95,7 @@ fn wait_all(reqs: &[*mut c_void]) -> Vec<Result<c_int, c_int>> {
 #[test]
 fn a_send_comm_that_is_full_answers_null_and_never_an_error() {
     let _serial = ONE_AT_A_TIME.lock();
-    let ctx = Ctx::init();
+    let ctx = Ctx::init(&[]);
     let (send, recv) = connect(&ctx);
     let msg = vec![7u8; 1024];
     // No receive is posted, so nothing can complete: the pool (or the engine) fills up.
@@ -155,7 +120,7 @@ fn a_send_comm_that_is_full_answers_null_and_never_an_error() {
 #[test]
 fn a_completed_request_is_not_touched_again() {
     let _serial = ONE_AT_A_TIME.lock();
-    let ctx = Ctx::init();
+    let ctx = Ctx::init(&[]);
     let (send, recv) = connect(&ctx);
     let msg: Vec<u8> = (0..5000u32).map(|i| (i * 7) as u8).collect();
     let mut out = vec![0u8; 8000];
@@ -180,8 +145,8 @@ fn a_completed_request_is_not_touched_again() {
 #[test]
 fn finalizing_the_last_context_releases_the_engine_and_init_builds_a_new_one() {
     let _serial = ONE_AT_A_TIME.lock();
-    let a = Ctx::init();
-    let b = Ctx::init();
+    let a = Ctx::init(&[]);
+    let b = Ctx::init(&[]);
     assert_eq!(global::census(), (2, true));
     a.finalize();
     assert_eq!(global::census(), (1, true), "one live context keeps the engine");
@@ -190,7 +155,7 @@ fn finalizing_the_last_context_releases_the_engine_and_init_builds_a_new_one() {
     let mut ndev = 0;
     // SAFETY: a writable int.
     assert_ne!(unsafe { NET.devices.unwrap()(&mut ndev) }, NCCL_SUCCESS, "devices without an engine must fail");
-    let c = Ctx::init();
+    let c = Ctx::init(&[]);
     // SAFETY: a writable int.
     assert_eq!(unsafe { NET.devices.unwrap()(&mut ndev) }, NCCL_SUCCESS);
     assert!(ndev >= 1);
@@ -200,7 +165,7 @@ fn finalizing_the_last_context_releases_the_engine_and_init_builds_a_new_one() {
 #[test]
 fn a_memory_handle_covers_only_its_range() {
     let _serial = ONE_AT_A_TIME.lock();
-    let ctx = Ctx::init();
+    let ctx = Ctx::init(&[]);
     let (send, recv) = connect(&ctx);
     let buf = vec![1u8; 4096];
     let mut mh = null_mut();
@@ -236,7 +201,7 @@ fn test_until_done(req: *mut c_void) -> c_int {
 #[test]
 fn posts_after_the_peer_closed_are_accepted_and_fail_in_test() {
     let _serial = ONE_AT_A_TIME.lock();
-    let ctx = Ctx::init();
+    let ctx = Ctx::init(&[]);
     let msg = vec![3u8; 4096];
     let mut out = vec![0u8; 4096];
 

@@ -2,8 +2,53 @@
 //! programs in `tests-c/` against `include/prism_net.h`.
 #![allow(dead_code)] // each test binary uses a different subset
 
+use std::ffi::c_void;
 use std::path::{Path, PathBuf};
 use std::process::Command;
+use std::ptr::null_mut;
+
+use nccl_net_prism::abi::NCCL_SUCCESS;
+use nccl_net_prism::exports::ncclNetPlugin_v12 as NET;
+
+/// A context of the v12 table called in-process, as NCCL calls it. Dropping it finalizes it, so a
+/// failed test still leaves no context behind for the next one.
+pub struct Ctx(pub *mut c_void);
+
+impl Ctx {
+    /// `init` on loopback (unless `PRISM_IFNAMES` is set) with `env` set first. The engine reads the
+    /// environment at init: callers hold their test binary's one-test-at-a-time lock, so no other
+    /// thread reads it while it changes.
+    pub fn init(env: &[(&str, &str)]) -> Ctx {
+        if std::env::var_os("PRISM_IFNAMES").is_none() {
+            std::env::set_var("PRISM_IFNAMES", "lo");
+        }
+        for (k, v) in env {
+            std::env::set_var(k, v);
+        }
+        let mut ctx = null_mut();
+        // SAFETY: NCCL's init contract: a writable ctx slot, no config, no logger, no profiler.
+        let rc = unsafe { NET.init.unwrap()(&mut ctx, 1, null_mut(), None, None) };
+        assert_eq!(rc, NCCL_SUCCESS, "init");
+        assert!(!ctx.is_null());
+        Ctx(ctx)
+    }
+
+    /// Finalize now, and assert that it succeeded.
+    pub fn finalize(mut self) {
+        let ctx = std::mem::replace(&mut self.0, null_mut());
+        // SAFETY: the context init returned, finalized once.
+        assert_eq!(unsafe { NET.finalize.unwrap()(ctx) }, NCCL_SUCCESS);
+    }
+}
+
+impl Drop for Ctx {
+    fn drop(&mut self) {
+        if !self.0.is_null() {
+            // SAFETY: the context init returned, not finalized yet.
+            unsafe { NET.finalize.unwrap()(self.0) };
+        }
+    }
+}
 
 /// The repository root (the workspace around this crate).
 pub fn repo_root() -> PathBuf {
