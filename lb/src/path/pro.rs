@@ -83,33 +83,47 @@ impl Pro {
     }
 }
 
-/// One packet: the next path of a flow's walk (`path` is the flow's last one); C ← path + 1.
-fn walk(path: &mut Option<u32>, dead: &DeadSet, sh: &mut ProShared, ctx: &PathCtx) -> u16 {
-    let m = ctx.n_paths.max(1) as u32;
+/// Where a flow's walk goes next (`path` is the flow's last one; a new flow starts at C), and the
+/// walk's step.
+fn next_of(path: Option<u32>, sh: &mut ProShared, m: u32) -> (u32, u32) {
     let step = sh.step(m);
-    let advance = |p: u32| {
-        if p + step >= m {
-            p + step - m
-        } else {
-            p + step
-        }
-    };
-    let mut p = match *path {
-        Some(p) if p < m => advance(p),
+    let p = match path {
+        Some(p) if p < m => advance(p, step, m),
         _ => sh.c % m,
     };
+    (p, step)
+}
+
+/// One step of the walk from `p`.
+fn advance(p: u32, step: u32, m: u32) -> u32 {
+    if p + step >= m {
+        p + step - m
+    } else {
+        p + step
+    }
+}
+
+/// The flow takes path `p`: C ← path + 1.
+fn take(path: &mut Option<u32>, sh: &mut ProShared, p: u32, m: u32) -> u16 {
+    *path = Some(p);
+    sh.c = if p + 1 == m { 0 } else { p + 1 };
+    p as u16
+}
+
+/// One packet: the next path of a flow's walk; C ← path + 1.
+fn walk(path: &mut Option<u32>, dead: &DeadSet, sh: &mut ProShared, ctx: &PathCtx) -> u16 {
+    let m = ctx.n_paths.max(1) as u32;
+    let (mut p, step) = next_of(*path, sh, m);
     // Step over dead paths and the lost copy's path along the same walk, at most one full cycle.
     if dead.count() > 0 || ctx.avoid.is_some() {
         for _ in 0..m {
             if !dead.is_dead(p as u16) && ctx.avoid != Some(p as u16) {
                 break;
             }
-            p = advance(p);
+            p = advance(p, step, m);
         }
     }
-    *path = Some(p);
-    sh.c = if p + 1 == m { 0 } else { p + 1 };
-    p as u16
+    take(path, sh, p, m)
 }
 
 /// One packet that must go on a path `fit` accepts: the flow's walk continued past dead, avoided and
@@ -117,20 +131,13 @@ fn walk(path: &mut Option<u32>, dead: &DeadSet, sh: &mut ProShared, ctx: &PathCt
 /// moves only when a path is found.
 fn walk_fit(path: &mut Option<u32>, dead: &DeadSet, sh: &mut ProShared, ctx: &PathCtx, fit: &mut dyn FnMut(u16) -> bool) -> Option<u16> {
     let m = ctx.n_paths.max(1) as u32;
-    let step = sh.step(m);
-    let advance = |p: u32| if p + step >= m { p + step - m } else { p + step };
-    let mut p = match *path {
-        Some(p) if p < m => advance(p),
-        _ => sh.c % m,
-    };
+    let (mut p, step) = next_of(*path, sh, m);
     for _ in 0..m {
         let e = p as u16;
         if !dead.is_dead(e) && ctx.avoid != Some(e) && fit(e) {
-            *path = Some(p);
-            sh.c = if p + 1 == m { 0 } else { p + 1 };
-            return Some(e);
+            return Some(take(path, sh, p, m));
         }
-        p = advance(p);
+        p = advance(p, step, m);
     }
     None
 }

@@ -144,13 +144,19 @@ impl PlannedPaths {
         self.train = Some(Train { msg: ctx.msg, start, end: start.saturating_add(self.train_bytes), span, entropy });
     }
 
-    fn pick_in(&mut self, ctx: &PathCtx, span: (u16, Option<u16>)) -> u16 {
-        let (rail, uplink) = span;
+    /// `ctx` as rail `rail`'s policy sees it: its own entropies, and the entropy to avoid only if it
+    /// is one of them.
+    fn rail_ctx(&self, ctx: &PathCtx, rail: u16) -> PathCtx {
         let avoid = ctx.avoid.and_then(|a| {
             let (r, e) = self.split(a);
             (r == rail as usize).then_some(e)
         });
-        let inner = PathCtx { n_paths: self.paths, avoid, ..*ctx };
+        PathCtx { n_paths: self.paths, avoid, ..*ctx }
+    }
+
+    fn pick_in(&mut self, ctx: &PathCtx, span: (u16, Option<u16>)) -> u16 {
+        let (rail, uplink) = span;
+        let inner = self.rail_ctx(ctx, rail);
         let e = self.rails[rail as usize].pick_for(&inner, uplink) % self.paths;
         rail * self.paths + e
     }
@@ -187,11 +193,7 @@ impl PathPolicy for PlannedPaths {
             return Some(e);
         }
         let (rail, uplink) = span;
-        let avoid = ctx.avoid.and_then(|a| {
-            let (r, e) = self.split(a);
-            (r == rail as usize).then_some(e)
-        });
-        let inner = PathCtx { n_paths: self.paths, avoid, ..*ctx };
+        let inner = self.rail_ctx(ctx, rail);
         let base = rail * self.paths;
         let e = base + self.rails[rail as usize].pick_fit(&inner, uplink, &mut |e| fit(base + e))? % self.paths;
         self.start_train(ctx, span, e);
