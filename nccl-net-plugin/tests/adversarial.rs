@@ -89,6 +89,19 @@ fn test_once(req: *mut c_void) -> (c_int, c_int, c_int) {
 }
 
 /// Tests until done or failed; the result code and the size.
+/// `len` bytes of `byte` sent over `p` and received intact.
+fn exchange(p: &Pair, byte: u8, len: usize) {
+    let msg = vec![byte; len];
+    let mut got = vec![0u8; len];
+    let (rc, r) = irecv(p.recv, got.as_mut_ptr(), len);
+    assert_eq!(rc, NCCL_SUCCESS);
+    let (rc, s) = isend(p.send, msg.as_ptr(), len);
+    assert_eq!(rc, NCCL_SUCCESS);
+    assert_eq!(test_until_done(s), (NCCL_SUCCESS, len as c_int));
+    assert_eq!(test_until_done(r), (NCCL_SUCCESS, len as c_int));
+    assert_eq!(got, msg);
+}
+
 fn test_until_done(req: *mut c_void) -> (c_int, c_int) {
     let start = Instant::now();
     loop {
@@ -666,13 +679,7 @@ fn running_out_of_file_descriptors_is_an_error_code_and_recovers() {
     }
     // Everything works again.
     let p = connect(&ctx);
-    let msg = [5u8; 100];
-    let mut got = [0u8; 100];
-    let (_, r) = irecv(p.recv, got.as_mut_ptr(), 100);
-    let (_, s) = isend(p.send, msg.as_ptr(), 100);
-    assert_eq!(test_until_done(s), (NCCL_SUCCESS, 100));
-    assert_eq!(test_until_done(r), (NCCL_SUCCESS, 100));
-    assert_eq!(got, msg);
+    exchange(&p, 5, 100);
     close(p);
     drop(ctx);
 }
@@ -704,15 +711,7 @@ fn comms_outlive_a_finalized_context_and_work_until_closed() {
     let p = connect(&ctx);
     drop(ctx);
     assert_eq!(nccl_net_prism::global::census(), (0, false), "the last finalize releases the process-wide engine");
-    let msg = [7u8; 3000];
-    let mut got = [0u8; 3000];
-    let (rc, r) = irecv(p.recv, got.as_mut_ptr(), 3000);
-    assert_eq!(rc, NCCL_SUCCESS);
-    let (rc, s) = isend(p.send, msg.as_ptr(), 3000);
-    assert_eq!(rc, NCCL_SUCCESS);
-    assert_eq!(test_until_done(s), (NCCL_SUCCESS, 3000));
-    assert_eq!(test_until_done(r), (NCCL_SUCCESS, 3000));
-    assert_eq!(got, msg);
+    exchange(&p, 7, 3000);
     close(p);
     // A new context gets a new engine.
     let ctx = Ctx::init(ENV);
@@ -756,13 +755,7 @@ fn a_caller_that_copies_the_handle_before_every_connect_retry_connects_without_l
     // SAFETY: closed once.
     assert_eq!(unsafe { NET.close_listen.unwrap()(listen) }, NCCL_SUCCESS);
     let p = Pair { send, recv };
-    let msg = [3u8; 500];
-    let mut got = [0u8; 500];
-    let (_, r) = irecv(p.recv, got.as_mut_ptr(), 500);
-    let (_, s) = isend(p.send, msg.as_ptr(), 500);
-    assert_eq!(test_until_done(s), (NCCL_SUCCESS, 500));
-    assert_eq!(test_until_done(r), (NCCL_SUCCESS, 500));
-    assert_eq!(got, msg);
+    exchange(&p, 3, 500);
     close(p);
     drop(ctx);
 }
