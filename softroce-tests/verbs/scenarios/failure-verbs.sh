@@ -10,7 +10,8 @@
 # within the hard limit (no hang) with #wrong = 0 at every size; the run was still going when the fault
 # ended (the fault really fell mid-transfer); both ranks' PRISM_STATS name the verbs backend; data kept
 # flowing during the fault on rail 1, or flowed again after it; with FAULT=down, rail 0 (whose QPs all died)
-# carries data again after the fault (its QPs were re-created).
+# carries data again after the fault (its QPs were re-created); the packets lost with rail 0 were resent
+# as fragments (never as a second WRITE) and reassembled, and no receive gave up waiting for a FENCE.
 # Numbers: packets per rail before/during/after, longest stall of all delivery, rail 0's recovery
 # (fault end -> first packet delivered on rail 0 again), any-rail recovery (fault end -> first delivery on any rail),
 # run time.
@@ -124,6 +125,19 @@ check_perf prism "$OUT/perf.rank0.json" "$NSIZES"
 check_backend prism "$OUT/perf.rank0.json.rank0.stats.json" "$OUT/perf.rank1.json.rank1.stats.json"
 { [ "$m1" -gt 0 ] || [ "$rec_any_ms" != null ]; }
 check delivery_continued_or_resumed $? "rail 1 delivered $m1 packets during the fault; first delivery after it: ${rec_any_ms} ms; rail 0 again after ${rec0_ms} ms"
+# Packets lost with rail 0 are resent as fragments the receiver copies while the receive is posted, never
+# as a second WRITE (a late one could land in a buffer NCCL has back): both ranks' comms summed.
+cat "$OUT/perf.rank0.json.rank0.stats.json" "$OUT/perf.rank1.json.rank1.stats.json" 2>/dev/null | jq -rs '
+  [.[] | .. | objects | select(has("verbs") and (.verbs | type) == "object" and (.verbs | has("bounce"))) | .verbs] as $v
+  | [([$v[].bounce.retx_bounced] | add // 0), ([$v[].bounce.packets_reassembled] | add // 0),
+     ([$v[].bounce.frags_stale] | add // 0), ([$v[].counters.fence_give_ups] | add // 0)] | @tsv' >/tmp/bounce
+read -r bounced reassembled stale give_ups </tmp/bounce
+metric retx_as_fragments "${bounced:-0}"
+metric packets_reassembled "${reassembled:-0}"
+metric frags_stale "${stale:-0}"
+metric fence_give_ups "${give_ups:-0}"
+[ "${bounced:-0}" -gt 0 ] && [ "${reassembled:-0}" -gt 0 ] && [ "${give_ups:-1}" -eq 0 ]
+check retransmissions_went_as_fragments $? "$bounced retransmissions sent as fragments, $reassembled packets reassembled, $stale stale fragments dropped, $give_ups FENCE give-ups"
 # A local link flap kills every QP of rail 0 (error completions); they are re-created in the background
 # once the port is active again, so rail 0 must carry data again.
 if [ "$FAULT" = down ]; then

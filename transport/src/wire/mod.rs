@@ -7,8 +7,9 @@
 //!
 //! The engine's own formats, never given to proto, have their own magic instead of the common header:
 //! [`hello`] (the connection handshake over TCP) with the [`verbs_block`] that follows it on verbs, and,
-//! on the verbs backend's QPs, [`fence`] (no WRITE to a buffer is left in flight) and [`qp_ctl`]
-//! (re-creating a dead QP). A proto packet starts with its version byte, never with one of those magics.
+//! on the verbs backend's QPs, [`verbs_desc`] (describes a run of header-less WRITEs),
+//! [`verbs_frag`] (a retransmission's fragments), [`fence`] (no WRITE to a buffer is left in flight)
+//! and [`qp_ctl`] (re-creating a dead QP). A proto packet starts with its version byte, never with one of those magics.
 //!
 //! A view's `new_checked` checks the length, version and type once; a `Repr::parse` then checks the
 //! fields that relate to each other (offsets, counts, ranges). Code past `parse` works on a `Repr` that
@@ -24,6 +25,7 @@ pub mod qp_ctl;
 pub mod sack;
 pub mod verbs_block;
 pub mod verbs_desc;
+pub mod verbs_frag;
 
 pub use control::{ControlKind, ControlPacket, ControlRepr, CONTROL_LEN};
 pub use cts::{CtsBuf, CtsKeys, CtsPacket, CtsRepr, CTS_KEYED_MAX_LEN, CTS_MAX_KEY_RAILS, CTS_MAX_LEN};
@@ -35,6 +37,7 @@ pub use qp_ctl::{QpCtlKind, QpCtlPacket, QpCtlRepr, QP_CTL_LEN};
 pub use sack::{SackPacket, SackRepr, SACK_BITMAP_PSNS, SACK_LEN};
 pub use verbs_block::{RailPeer, VerbsBlock, VerbsBlockRepr};
 pub use verbs_desc::{DescRepr, DESC_LEN};
+pub use verbs_frag::{FragRepr, FRAG_HEADER_LEN};
 
 /// Protocol version this build speaks; packets of any other version are dropped.
 pub const VERSION: u8 = 1;

@@ -3,8 +3,9 @@
 //! IMM without a header: the receiver rebuilds each packet's DATA header from this descriptor, the
 //! WRITE's immediate (the PSN's low 31 bits, bit 31 = retransmission) and the completion's byte count.
 //! Packet `first_psn + k` carries the bytes at `offset + k * pkt_bytes` of the buffer (every packet
-//! but the run's last carries exactly `pkt_bytes`). Sent once before a run's first WRITE and again
-//! before each retransmitted one, and before a WRITE whose packet carries a newer `cts_ack`.
+//! but the run's last carries exactly `pkt_bytes`). Sent once before a run's first WRITE, and again
+//! before a WRITE whose packet carries a newer `cts_ack` (a retransmission is no WRITE: it travels
+//! as fragments, [`super::verbs_frag`], which carry their own header).
 //!
 //! Layout (64 bytes, big-endian):
 //! ```text

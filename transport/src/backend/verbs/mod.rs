@@ -10,10 +10,11 @@
 //!
 //! Data: an RDMA WRITE WITH IMM of the payload from the registered send buffer straight into the
 //! receiver's registered buffer, without a header: the immediate carries the PSN's low 31 bits and
-//! a retransmission bit ([`imm_of`], big-endian on the wire, note G3), the receive completion the
-//! byte count, and a descriptor SEND (`wire::verbs_desc`) sent before an item's first WRITE (and
-//! before each retransmitted one) the rest; the receiving comm rebuilds the DATA header
-//! (`engine::vcomm`). Every other packet is a SEND.
+//! a retransmission bit ([`imm_of`], big-endian on the wire, note G3; never set by this build, whose
+//! retransmissions are fragments), the receive completion the byte count, and a descriptor SEND
+//! (`wire::verbs_desc`) sent before an item's first WRITE the rest; the receiving comm rebuilds the
+//! DATA header (`engine::vcomm`). Every other packet is a SEND, a retransmitted DATA packet too, in
+//! fragments that fit a receive slot (`wire::verbs_frag`).
 //!
 //! Every receive WQE carries one slot of the receive ring; a WRITE WITH IMM consumes a WQE without
 //! writing into it (note G4), so WRITEs and SENDs can share one FIFO receive queue.

@@ -388,6 +388,30 @@ impl QpSet {
         slot
     }
 
+    /// SENDs QP `q` can queue now (each takes a send slot), or why none: a dead QP.
+    pub fn send_room(&self, q: usize) -> Result<usize, PostFail> {
+        let qp = &self.qps[q];
+        if qp.stats.dead || !self.connected {
+            return Err(PostFail::Dead);
+        }
+        Ok(SEND_SLOTS.saturating_sub(qp.slots_in_flight).min((2 * SEND_SLOTS).saturating_sub(qp.wrs_in_flight)))
+    }
+
+    /// Queue a SEND on QP `q` whose bytes `fill` writes into the send slot (at most [`SLOT_BYTES`];
+    /// it returns how many it wrote); [`Self::flush`] posts it.
+    pub fn post_send_with(&mut self, q: usize, fill: impl FnOnce(&mut [u8]) -> usize) -> Result<(), PostFail> {
+        self.check_postable(q, 1, true)?;
+        let qp = &mut self.qps[q];
+        let slot = q * SEND_SLOTS + qp.next_slot;
+        qp.next_slot = (qp.next_slot + 1) % SEND_SLOTS;
+        let len = fill(self.send_ring.slot_mut(slot)).min(SLOT_BYTES);
+        let qp = &mut self.qps[q];
+        qp.queued.push(Wr::Send { slot, len: len as u32 });
+        qp.wrs_in_flight += 1;
+        qp.slots_in_flight += 1;
+        Ok(())
+    }
+
     /// Queue a SEND of `bytes` (a whole control packet, or a payload-less DATA header) on QP `q`;
     /// [`Self::flush`] posts it.
     pub fn post_send(&mut self, q: usize, bytes: &[u8]) -> Result<(), PostFail> {

@@ -109,14 +109,15 @@ enum CommBackend {
 /// UDP datagrams itself); the comm calls these unconditionally.
 impl CommBackend {
     /// Reap verbs completions and feed what arrived to `conn` (UDP datagrams come through the rails).
-    fn poll(&mut self, conn: &mut Connection, now: u64) {
+    fn poll(&mut self, conn: &mut Connection, now: u64, sink: &mut dyn Placer) {
         if let CommBackend::Verbs(v) = self {
-            v.poll(conn, now);
+            v.poll(conn, now, sink);
         }
     }
 
-    /// proto's completions as NCCL may see them. On verbs a receive is reported only once the sender
-    /// said that none of its WRITEs can still land in the buffer (FENCE); sends tell the receiver so.
+    /// proto's completions as NCCL may see them. On verbs over UC a receive that got a packet by
+    /// fragments is reported only once the sender said that none of its WRITEs can still land in
+    /// the buffer (FENCE, see `vcomm::fence`).
     fn completions(&mut self, comps: Vec<Completion>, now: u64) -> Vec<Completion> {
         let CommBackend::Verbs(v) = self else { return comps };
         let mut comps: Vec<Completion> = comps
@@ -351,7 +352,7 @@ impl CommCore {
             return;
         }
         let now = self.net.now_us();
-        self.backend.poll(&mut self.conn, now);
+        self.backend.poll(&mut self.conn, now, &mut Sinks(&mut self.requests.recvs));
         // A batch from each rail, then what it brought this comm, and again while batches come full:
         // the payloads are copied to NCCL's buffers while the receive buffers are still in the cache
         // (after four batches of 64 KiB GRO buffers they were not, and the copy ran at memory speed).
@@ -480,7 +481,7 @@ impl CommCore {
     fn transmit(&mut self, now: u64) {
         let tx = match &mut self.backend {
             CommBackend::Udp(tx) => tx,
-            CommBackend::Verbs(v) => return v.transmit(&mut self.conn, now),
+            CommBackend::Verbs(v) => return v.transmit(&mut self.conn, now, &self.requests.sends),
             CommBackend::Closed => return,
         };
         let UdpTx { bufs, meta, by_rail } = tx;

@@ -4,25 +4,30 @@
 //! Sender: proto writes a DATA header (its payload is not copied: the payload source only notes which
 //! bytes proto wanted), the payload goes as an RDMA WRITE WITH IMM from the send buffer to the address
 //! and rkey the receiver's CTS advertised; no header travels with it: a descriptor SEND per run of
-//! an item's packets (`desc`) and the immediate (the PSN) let the receiver rebuild it. Receiver:
-//! proto's CTS is re-emitted with the buffers' registered addresses and per-rail rkeys; a rebuilt
-//! header goes to `Connection::handle_rebuilt_data`, every other packet to `handle_datagram`.
+//! an item's packets (`desc`) and the immediate (the PSN) let the receiver rebuild it. A
+//! retransmission goes as fragments the receiver copies while the receive is posted (`bounce`),
+//! never as a WRITE. Receiver: proto's CTS is re-emitted with the buffers' registered addresses and
+//! per-rail rkeys; a rebuilt header goes to `Connection::handle_rebuilt_data`, every other packet to
+//! `handle_datagram`.
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::sync::Arc;
 
+mod bounce;
 mod desc;
 mod fence;
 mod recreate;
 
+use self::bounce::{fill_fragment, BounceTx, Reassembly, FRAG_PAYLOAD};
 use self::desc::{DescRx, DescTx};
 use self::fence::{parse_fence, Fences};
 use super::revive::{self, QpCtlRx, Revive};
 use super::TransportError;
 use crate::backend::verbs::{MrKeys, PostFail, QpSet, QpStats, RailPeer, RxEvent, VerbsDevice, SLOT_BYTES};
-use crate::proto::{Connection, MsgId, NoPlacement, PayloadSource, ProtoConfig};
+use crate::engine::SendBuf;
+use crate::proto::{Connection, MsgId, NoPlacement, PayloadSource, Placer, ProtoConfig};
 use crate::wire::{CtsKeys, CtsPacket, CtsRepr, DataPacket, DataRepr, Header, PacketType, CTS_MAX_KEY_RAILS, DATA_HEADER_LEN};
-use crate::wire::{DescRepr, QP_CTL_LEN};
+use crate::wire::{DescRepr, FragRepr, QP_CTL_LEN};
 
 /// Most packets one transmit call posts (keeps test() short).
 const MAX_TX: usize = 256;
@@ -58,15 +63,15 @@ pub(crate) struct VerbsCounters {
     pub keyed_cts_received: u64,
     /// Retransmissions not posted because an earlier copy of the same PSN was still in a send queue.
     pub retx_held: u64,
-    /// FENCEs sent (sender) and received (receiver).
+    /// FENCEs sent (sender, UC: answering a request).
     pub fences_sent: u64,
     /// FENCEs received.
     pub fences_received: u64,
-    /// FENCE requests sent (receiver waited more than 20 ms).
+    /// FENCE requests sent (receiver, UC: a packet came by fragments; again after 20 ms).
     pub fence_requests: u64,
     /// Receives completed without their FENCE after 2 s.
     pub fence_give_ups: u64,
-    /// Receives whose completion waited for a FENCE.
+    /// Receives whose completion waited for a FENCE (UC only).
     pub receives_held: u64,
     /// Dead QPs re-created (reset and connected again to the peer's re-created QP), either side
     /// starting it.
@@ -114,6 +119,9 @@ pub(crate) struct VerbsComm {
     /// Descriptors: the sender's runs, the receiver's descriptors and waiting WRITEs.
     desc_tx: DescTx,
     desc_rx: DescRx,
+    /// Retransmissions as fragments: the sender's waiting ones, the receiver's partial packets.
+    bounce_tx: BounceTx,
+    reasm: Reassembly,
     pub counters: VerbsCounters,
 }
 
@@ -163,7 +171,7 @@ impl VerbsComm {
             mem: HashMap::new(),
             txbuf: vec![0u8; DATA_HEADER_LEN + max_payload],
             ctsbuf: vec![0u8; SLOT_BYTES],
-            fences: Fences::default(),
+            fences: Fences::new(!rc),
             fence_rr: 0,
             revive: (0..devs.len()).flat_map(|r| (0..paths.max(1)).map(move |q| Revive::new(r as u8, q))).collect(),
             ctl_out: VecDeque::new(),
@@ -172,6 +180,8 @@ impl VerbsComm {
             max_payload: u32::try_from(max_payload).unwrap_or(u32::MAX),
             desc_tx: DescTx::default(),
             desc_rx: DescRx::new(proto.window_pkts as usize),
+            bounce_tx: BounceTx::default(),
+            reasm: Reassembly::default(),
             counters: VerbsCounters::default(),
         })
     }
@@ -254,18 +264,25 @@ impl VerbsComm {
                 self.release_mem(m);
             }
         }
-        self.recv_seq.retain(|_, m| *m != msg);
+        if let Some(seq) = self.recv_seq.iter().find(|(_, m)| **m == msg).map(|(s, _)| *s) {
+            // From here a fragment of this receive finds no posted receive and is dropped.
+            self.recv_seq.remove(&seq);
+            self.reasm.forget(seq);
+            self.fences.forget_recv(seq);
+        }
     }
 
-    /// Reap completions and feed every received packet to `conn`.
-    pub fn poll(&mut self, conn: &mut Connection, now: u64) {
+    /// Reap completions and feed every received packet to `conn`; a retransmission's fragments are
+    /// copied into the receive buffers through `sink` (NCCL's buffers of the posted receives).
+    pub fn poll(&mut self, conn: &mut Connection, now: u64, sink: &mut dyn Placer) {
         let mut done_psns = Vec::new();
         let mut fences = Vec::new();
         let mut ctls = Vec::new();
         let mut descs = Vec::new();
         let mut writes = Vec::new();
+        let mut reassembled = Vec::new();
         let paths = self.paths as usize;
-        let Self { rails, remote, counters, desc_rx, .. } = self;
+        let Self { rails, remote, counters, desc_rx, reasm, recv_seq, .. } = self;
         let nrails = rails.len();
         for (r, set) in rails.iter_mut().enumerate() {
             set.poll_send(|psn| done_psns.push(psn));
@@ -273,6 +290,22 @@ impl VerbsComm {
             set.poll_recv(|ev| match ev {
                 RxEvent::Write { q, imm, len } => writes.push(((r * paths + q) as u16, imm, len)),
                 RxEvent::Packet(b) => {
+                    if b.starts_with(crate::wire::verbs_frag::FRAG_MAGIC) {
+                        let Ok((f, payload)) = FragRepr::parse(b) else {
+                            reasm.counters.frags_bad += 1;
+                            return;
+                        };
+                        // Only into a receive that is still posted: once it went back to NCCL its
+                        // CTS sequence number names nothing and the fragment is dropped.
+                        let Some(&msg) = recv_seq.get(&f.cts_seq) else {
+                            reasm.counters.frags_stale += 1;
+                            return;
+                        };
+                        if let Some(h) = reasm.on_frag(&f, payload, |off, data| sink.place(msg, f.sub as usize, off, data)) {
+                            reassembled.push(((f.cts_seq, f.sub), h));
+                        }
+                        return;
+                    }
                     if let Some(f) = parse_fence(b) {
                         fences.push(f);
                         return;
@@ -320,6 +353,10 @@ impl VerbsComm {
         for h in &rebuilt {
             conn.handle_rebuilt_data(h, now);
         }
+        for (t, h) in &reassembled {
+            self.fences.bounced(*t);
+            conn.handle_rebuilt_data(h, now);
+        }
         for psn in done_psns {
             self.write_done(psn);
         }
@@ -345,14 +382,49 @@ impl VerbsComm {
         }
     }
 
-    /// Post what proto wants to send.
-    pub fn transmit(&mut self, conn: &mut Connection, now: u64) {
+    /// Post what proto wants to send; `sends` are NCCL's send buffers (a retransmission's fragments
+    /// are copied from them).
+    pub fn transmit(&mut self, conn: &mut Connection, now: u64, sends: &HashMap<MsgId, Box<dyn SendBuf>>) {
+        self.flush_fences();
+        self.post_bounces(sends);
         self.queue_transmit(conn, now);
+        self.post_bounces(sends);
         self.flush_posts();
     }
 
+    /// Post the fragments of waiting retransmissions, in order, as far as send slots allow. One
+    /// whose send or QP went away is dropped (proto resends it elsewhere, or the send is over).
+    fn post_bounces(&mut self, sends: &HashMap<MsgId, Box<dyn SendBuf>>) {
+        let Self { bounce_tx, rails, reasm, .. } = self;
+        let c = &mut reasm.counters;
+        while let Some(b) = bounce_tx.pending.front_mut() {
+            let end = b.send_off.checked_add(u64::from(b.hdr.pkt_len));
+            let buf = sends.get(&b.msg).filter(|s| end.is_some_and(|e| e <= s.len() as u64));
+            let room = rails.get(b.rail).map(|set| set.send_room(b.q));
+            let (Some(buf), Some(Ok(room))) = (buf, room) else {
+                bounce_tx.pending.pop_front();
+                c.bounces_dropped += 1;
+                continue;
+            };
+            for _ in 0..room {
+                if b.hdr.frag_off >= b.hdr.pkt_len {
+                    break;
+                }
+                let posted = rails[b.rail].post_send_with(b.q, |slot| fill_fragment(b, slot, |off, out| buf.read(off as usize, out)));
+                if posted.is_err() {
+                    break;
+                }
+                c.frags_sent += 1;
+                b.hdr.frag_off += (b.hdr.pkt_len - b.hdr.frag_off).min(FRAG_PAYLOAD as u32);
+            }
+            if b.hdr.frag_off < b.hdr.pkt_len {
+                return;
+            }
+            bounce_tx.pending.pop_front();
+        }
+    }
+
     fn queue_transmit(&mut self, conn: &mut Connection, now: u64) {
-        self.flush_fences();
         let mut rec = Recorder::default();
         for _ in 0..MAX_TX {
             rec.last = None;
@@ -405,8 +477,16 @@ impl VerbsComm {
             self.counters.bad_remote_range += 1;
             return Err(None);
         }
-        if d.retx && !self.fences.may_write_again(d.psn) {
-            self.counters.retx_held += 1;
+        if d.retx {
+            // Never a second WRITE into the buffer: the packet goes as fragments the receiver
+            // copies only while the receive is posted, once its one WRITE left the send queue.
+            if !self.fences.may_write_again(d.psn) {
+                self.counters.retx_held += 1;
+            } else if self.bounce_tx.queue(rail, q, msg, off, &d) {
+                self.reasm.counters.retx_bounced += 1;
+            } else {
+                self.reasm.counters.bounces_dropped += 1;
+            }
             return Err(None);
         }
         let raddr = keys.addr[sub] + d.offset;
@@ -463,6 +543,7 @@ impl VerbsComm {
         serde_json::json!({
             "counters": self.counters,
             "descriptors": self.desc_rx.counters,
+            "bounce": self.reasm.counters,
             "totals": VerbsTotals::of(&all),
             "rails": rails,
         })
