@@ -207,21 +207,7 @@ mod tests {
     const PKT: u32 = 65536;
 
     fn data(psn: u64, offset: u64, len: u32) -> DataRepr {
-        DataRepr {
-            token: 7,
-            cts_ack: 3,
-            psn,
-            cts_seq: 2,
-            sub: 1,
-            offset,
-            len,
-            total_len: 4 * u64::from(PKT),
-            entropy: 5,
-            ts_us: 99,
-            trunc: false,
-            ce: false,
-            retx: true,
-        }
+        super::super::desc::tests::data(psn, offset, len, 4 * u64::from(PKT), true)
     }
 
     /// The fragments of `d` whose send holds byte `i` = `i % 251` at offset `i`.

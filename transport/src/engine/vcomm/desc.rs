@@ -186,13 +186,14 @@ fn rebuild(d: &DescRepr, h: Held) -> Option<[u8; DATA_HEADER_LEN]> {
 }
 
 #[cfg(test)]
-mod tests {
+pub(super) mod tests {
     use super::*;
     use crate::backend::verbs::imm_of;
 
     const PKT: u32 = 65536;
 
-    fn data(psn: u64, offset: u64, len: u32, total: u64, retx: bool) -> DataRepr {
+    /// A DATA packet of buffer (2, 1) of connection 7 (shared with `bounce`'s tests).
+    pub(in crate::engine::vcomm) fn data(psn: u64, offset: u64, len: u32, total: u64, retx: bool) -> DataRepr {
         DataRepr {
             token: 7,
             cts_ack: 3,
