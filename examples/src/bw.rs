@@ -6,7 +6,7 @@ use crate::coll::Collective;
 pub fn alg_bytes(coll: Collective, param: usize, nranks: usize) -> f64 {
     let bytes = (param * crate::net::ELEM_BYTES) as f64;
     match coll {
-        Collective::AllReduce | Collective::SendRecv => bytes,
+        Collective::AllReduce | Collective::SendRecv | Collective::OneWay => bytes,
         // The sparse alltoall is reported at its nominal (dense) size, like nccl-tests' alltoallv.
         Collective::AllGather | Collective::ReduceScatter | Collective::AllToAll | Collective::AllToAllSparse => bytes * nranks as f64,
     }
@@ -18,7 +18,7 @@ pub fn bus_factor(coll: Collective, nranks: usize) -> f64 {
     match coll {
         Collective::AllReduce => 2.0 * (n - 1.0) / n,
         Collective::AllGather | Collective::ReduceScatter | Collective::AllToAll | Collective::AllToAllSparse => (n - 1.0) / n,
-        Collective::SendRecv => 1.0,
+        Collective::SendRecv | Collective::OneWay => 1.0,
     }
 }
 

@@ -32,6 +32,10 @@ pub fn expected(coll: Collective, rank: usize, nranks: usize, counts: Counts, pa
     }
     match coll {
         Collective::SendRecv => value((rank + n - 1) % n, i, pass),
+        Collective::OneWay if n == 1 => value(rank, i, pass),
+        // Senders (and an idle last rank) receive nothing: their buffers keep the NaN poison.
+        Collective::OneWay if rank % 2 == 1 => value(rank - 1, i, pass),
+        Collective::OneWay => f32::NAN,
         Collective::AllReduce => (0..n).map(|p| value(p, i, pass)).sum(),
         Collective::AllGather => value(i / c, i % c, pass),
         Collective::ReduceScatter => (0..n).map(|p| value(p, rank * c + i, pass)).sum(),

@@ -50,6 +50,11 @@ pub enum Collective {
     #[value(name = "alltoall_sparse")]
     #[serde(rename = "alltoall_sparse")]
     AllToAllSparse,
+    /// One direction only, as `ib_write_bw` and `prism-udp-pump` measure: ranks pair up, each even
+    /// rank sends to the next one (rank 0 -> 1, 2 -> 3, ...; with an odd count the last rank idles).
+    #[value(name = "oneway")]
+    #[serde(rename = "oneway")]
+    OneWay,
 }
 
 /// Element counts of one run, as nccl-tests derives them from a size in bytes.
@@ -72,13 +77,14 @@ impl Counts {
 
 impl Collective {
     /// Every collective, in the order `all` runs them.
-    pub const ALL: [Collective; 6] = [
+    pub const ALL: [Collective; 7] = [
         Collective::SendRecv,
         Collective::AllReduce,
         Collective::AllGather,
         Collective::ReduceScatter,
         Collective::AllToAll,
         Collective::AllToAllSparse,
+        Collective::OneWay,
     ];
 
     /// nccl-tests' name (without `_perf`).
@@ -90,6 +96,7 @@ impl Collective {
             Collective::ReduceScatter => "reduce_scatter",
             Collective::AllToAll => "alltoall",
             Collective::AllToAllSparse => "alltoall_sparse",
+            Collective::OneWay => "oneway",
         }
     }
 
@@ -104,7 +111,7 @@ impl Collective {
         let count = bytes / crate::net::ELEM_BYTES;
         let per_rank = count / n;
         match self {
-            Collective::SendRecv | Collective::AllReduce => Counts { send: count, recv: count, param: count },
+            Collective::SendRecv | Collective::AllReduce | Collective::OneWay => Counts { send: count, recv: count, param: count },
             Collective::AllGather => Counts { send: per_rank, recv: per_rank * n, param: per_rank },
             Collective::ReduceScatter => Counts { send: per_rank * n, recv: per_rank, param: per_rank },
             Collective::AllToAll | Collective::AllToAllSparse => Counts { send: per_rank * n, recv: per_rank * n, param: per_rank },
@@ -121,6 +128,9 @@ impl Collective {
                 let others: Vec<usize> = (1..nranks).map(|d| (rank + d) % nranks).collect();
                 (others.clone(), others)
             }
+            Collective::OneWay if rank.is_multiple_of(2) && rank + 1 < nranks => (vec![rank + 1], Vec::new()),
+            Collective::OneWay if rank % 2 == 1 => (Vec::new(), vec![rank - 1]),
+            Collective::OneWay => (Vec::new(), Vec::new()),
             _ => (vec![(rank + 1) % nranks], vec![(rank + nranks - 1) % nranks]),
         }
     }

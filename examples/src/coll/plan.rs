@@ -122,6 +122,19 @@ pub fn plan(coll: Collective, rank: usize, nranks: usize, counts: Counts, bufs: 
                 }
             }
         }
+        Collective::OneWay => {
+            if n == 1 {
+                p.copies.push((recv(0, counts.recv), send(0, counts.send)));
+            } else if r.is_multiple_of(2) && r + 1 < n {
+                for (off, len) in slices(counts.send, slice) {
+                    p.sends.push(SendOp { peer: right, region: send(off, len), after: None });
+                }
+            } else if r % 2 == 1 {
+                for (off, len) in slices(counts.recv, slice) {
+                    p.recvs.push(RecvOp { peer: left, region: recv(off, len), add_from: None, after_send: None });
+                }
+            }
+        }
         Collective::AllReduce => {
             let count = counts.param;
             if n == 1 {

@@ -85,6 +85,14 @@ fn sparse_alltoall_delivers_its_skewed_blocks_and_writes_nothing_else() {
 }
 
 #[test]
+fn oneway_delivers_from_each_even_rank_to_the_next_and_nothing_else() {
+    exact_for_all(Collective::OneWay);
+    assert_eq!(Collective::OneWay.peers(0, 2), (vec![1], vec![]));
+    assert_eq!(Collective::OneWay.peers(1, 2), (vec![], vec![0]));
+    assert_eq!(Collective::OneWay.peers(2, 3), (vec![], vec![]), "the odd one out idles");
+}
+
+#[test]
 fn sparse_alltoall_is_sparse_and_skewed() {
     for n in [2, 3, 4, 8] {
         let c = 840;

@@ -9,6 +9,8 @@
 # the bed from rxe1's packet counter, as in `perftest`), and prism/ib_write_bw ratios (largest size, and
 # best size). Note: all_reduce moves the bytes in both directions at once; plain ib_write_bw in one,
 # `ib_write_bw -b` in both like all_reduce (ratio_busbw_best_vs_ib_write_bw_bidir: per direction each).
+# Last, prism-perf `oneway` (rank 0 -> rank 1 only, the same sizes) against plain ib_write_bw
+# (ratio_oneway_best_vs_ib_write_bw: one direction each, like for like).
 . /prism/lib.sh
 SIZES_FLAGS=${SIZES_FLAGS:-"-b 1M -e 16M -f 4"}
 NSIZES=${NSIZES:-3}
@@ -126,5 +128,18 @@ if is_pos "$ib" && [ -s /tmp/rows ]; then
   metric ratio_busbw_largest_vs_ib_write_bw "$(awk -v b="$3" -v i="$ib" 'BEGIN { printf "%.3f", b * 1000 / i }')"
   metric ratio_busbw_best_vs_ib_write_bw "$(awk -v b="$best" -v i="$ib" 'BEGIN { printf "%.3f", b * 1000 / i }')"
   metric ratio_algbw_largest_vs_ib_write_bw "$(awk -v b="$2" -v i="$ib" 'BEGIN { printf "%.3f", b * 1000 / i }')"
+fi
+
+# Like for like with plain ib_write_bw: prism-perf's `oneway`, rank 0 -> rank 1 only, same sizes (its
+# busbw = algbw = bytes delivered per second in the one direction). Last, so the all_reduce rows above
+# are not overwritten before their ratios are taken.
+# shellcheck disable=SC2086
+run_two_ranks oneway "$(prism_env rxe0 va)" "$(prism_env rxe1 vb)" oneway $SIZES_FLAGS $ITER_FLAGS -c 1 -T 120
+[ "$RC0" -eq 0 ] && [ "$RC1" -eq 0 ]; check prism_oneway_exit_0 $? "rank 0 rc=$RC0, rank 1 rc=$RC1"
+check_perf prism_oneway "$OUT/oneway.rank0.json" "$NSIZES"
+if is_pos "$ib" && [ -s /tmp/rows ]; then
+  best=$(awk 'BEGIN { m = 0 } $3 > m { m = $3 } END { print m }' /tmp/rows)
+  metric prism_oneway_busbw_MBps_best "$(awk -v b="$best" 'BEGIN { printf "%.2f", b * 1000 }')"
+  metric ratio_oneway_best_vs_ib_write_bw "$(awk -v b="$best" -v i="$ib" 'BEGIN { printf "%.3f", b * 1000 / i }')"
 fi
 finish
