@@ -31,6 +31,8 @@ use crate::wire::{DescRepr, FragRepr, QP_CTL_LEN};
 
 /// Most packets one transmit call posts (keeps test() short).
 const MAX_TX: usize = 256;
+/// Send slots per QP fragments leave free for control packets.
+const FRAG_SLOT_RESERVE: usize = crate::backend::verbs::SEND_SLOTS / 4;
 /// Keyed CTS kept per connection (older ones are long matched).
 const MAX_REMOTE_CTS: usize = 1024;
 
@@ -406,7 +408,9 @@ impl VerbsComm {
                 c.bounces_dropped += 1;
                 continue;
             };
-            for _ in 0..room {
+            // Fragments leave a quarter of the QP's send slots to control packets (a CTS or SACK
+            // must not wait behind a retransmission's 74 fragments).
+            for _ in 0..room.saturating_sub(FRAG_SLOT_RESERVE) {
                 if b.hdr.frag_off >= b.hdr.pkt_len {
                     break;
                 }
