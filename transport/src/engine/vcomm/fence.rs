@@ -17,7 +17,7 @@
 
 use std::collections::{HashMap, HashSet, VecDeque};
 
-use crate::proto::MsgId;
+use crate::proto::{Connection, MsgId};
 use crate::wire::{FenceKind, FencePacket, FenceRepr};
 
 use super::{VerbsComm, VerbsCounters};
@@ -257,10 +257,16 @@ impl VerbsComm {
         self.fences.released(now, &mut self.counters)
     }
 
-    /// Send queued FENCE packets on a live QP (rotating over rails and QPs).
-    pub(super) fn flush_fences(&mut self) {
+    /// Send queued FENCE packets and requests, a copy on every rail (a rail can fail silently: a
+    /// copy lost with it held a receive for the whole 2 s), each on a live QP whose path `conn`
+    /// trusts where there is one.
+    pub(super) fn flush_fences(&mut self, conn: &Connection) {
         while let Some(f) = self.fences.out.front().copied() {
-            let posted = self.post_on_live_qp(&f.to_bytes());
+            let bytes = f.to_bytes();
+            let mut posted = false;
+            for r in 0..self.rails.len() {
+                posted |= self.post_on_rail(r, &bytes, conn);
+            }
             if !posted {
                 return;
             }

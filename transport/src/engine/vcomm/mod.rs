@@ -368,7 +368,7 @@ impl VerbsComm {
         for c in ctls {
             self.on_ctl(&c, now);
         }
-        self.revive_tick(now);
+        self.revive_tick(now, conn);
         self.flush_posts();
     }
 
@@ -387,7 +387,7 @@ impl VerbsComm {
     /// Post what proto wants to send; `sends` are NCCL's send buffers (a retransmission's fragments
     /// are copied from them).
     pub fn transmit(&mut self, conn: &mut Connection, now: u64, sends: &HashMap<MsgId, Box<dyn SendBuf>>) {
-        self.flush_fences();
+        self.flush_fences(conn);
         self.post_bounces(sends);
         self.queue_transmit(conn, now);
         self.post_bounces(sends);

@@ -4,12 +4,13 @@
 use super::super::revive::Action;
 use super::VerbsComm;
 use crate::backend::verbs::VerbsError;
+use crate::proto::Connection;
 use crate::wire::QpCtlRepr;
 
 impl VerbsComm {
     /// Step every QP's re-creation (see `revive`): dead QPs whose port is up are reset and asked
     /// for; unanswered REQs are resent; attempts time out.
-    pub(super) fn revive_tick(&mut self, now: u64) {
+    pub(super) fn revive_tick(&mut self, now: u64, conn: &Connection) {
         let paths = self.paths as usize;
         for r in 0..self.rails.len() {
             let mut port: Option<bool> = None;
@@ -37,7 +38,7 @@ impl VerbsComm {
                 }
             }
         }
-        self.flush_ctl();
+        self.flush_ctl(conn);
     }
 
     /// Reset QP `q` of rail `r` to a fresh one (its QPN and PSN returned); the WRITEs it still had
@@ -105,24 +106,51 @@ impl VerbsComm {
         }
     }
 
-    /// Post `bytes` as a SEND on the next live QP, rotating over rails and QPs; false if none took it.
-    pub(super) fn post_on_live_qp(&mut self, bytes: &[u8]) -> bool {
+    /// Post `bytes` as a SEND on the next live QP, rotating over rails and QPs: first one whose path
+    /// `conn` would send new packets on now (a QP that merely has no error can sit on a black-holed
+    /// path, and a FENCE or its request lost there held a receive for its whole 2 s), else any live
+    /// one; false if none took it.
+    pub(super) fn post_on_live_qp(&mut self, bytes: &[u8], conn: &Connection) -> bool {
         let total = self.rails.len() * self.paths as usize;
-        for _ in 0..total {
-            let k = self.fence_rr % total;
-            self.fence_rr = self.fence_rr.wrapping_add(1);
-            let (r, q) = (k / self.paths as usize, k % self.paths as usize);
-            if !self.rails[r].is_dead(q) && self.rails[r].post_send(q, bytes).is_ok() {
-                return true;
+        for healthy_only in [true, false] {
+            for _ in 0..total {
+                let k = self.fence_rr % total;
+                self.fence_rr = self.fence_rr.wrapping_add(1);
+                let (r, q) = (k / self.paths as usize, k % self.paths as usize);
+                if healthy_only && !conn.path_preferred(k as u16) {
+                    continue;
+                }
+                if !self.rails[r].is_dead(q) && self.rails[r].post_send(q, bytes).is_ok() {
+                    return true;
+                }
+            }
+        }
+        false
+    }
+
+    /// Post `bytes` as a SEND on a live QP of rail `r`, rotating over its QPs, one whose path `conn`
+    /// trusts first; false if none took it.
+    pub(super) fn post_on_rail(&mut self, r: usize, bytes: &[u8], conn: &Connection) -> bool {
+        let paths = self.paths as usize;
+        for healthy_only in [true, false] {
+            for _ in 0..paths {
+                let q = self.fence_rr % paths;
+                self.fence_rr = self.fence_rr.wrapping_add(1);
+                if healthy_only && !conn.path_preferred((r * paths + q) as u16) {
+                    continue;
+                }
+                if !self.rails[r].is_dead(q) && self.rails[r].post_send(q, bytes).is_ok() {
+                    return true;
+                }
             }
         }
         false
     }
 
     /// Send queued QP control packets on live QPs (rotating; a lost one is resent by its timer).
-    pub(super) fn flush_ctl(&mut self) {
+    pub(super) fn flush_ctl(&mut self, conn: &Connection) {
         while let Some(c) = self.ctl_out.front().copied() {
-            let posted = self.post_on_live_qp(&c);
+            let posted = self.post_on_live_qp(&c, conn);
             if !posted {
                 // No live QP: the REQ timers try again.
                 self.ctl_out.clear();
