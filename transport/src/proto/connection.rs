@@ -518,13 +518,13 @@ impl Connection {
     }
 
     /// Whether [`Self::poll_transmit`] has nothing to send, now or at any later time, until this
-    /// connection is next handed a packet, a post, a timeout or a new window: nothing is queued (SACK,
-    /// PONG, probe or exploring PING, keepalive, CTS, ACK, tail-loss probe, retransmission, new data)
-    /// and no failure episode may queue an exploring PING. Reads only a few flags and queue lengths, so
-    /// a driver with many connections can ask it while the connection is in its cache and leave a
-    /// connection with nothing to send out of its transmit round-robin (a receiver between its
-    /// delayed SACKs), instead of a `poll_transmit` that finds nothing later. `false` means only that
-    /// there may be something to send.
+    /// connection is next handed something (a datagram, a post, a timeout, a close, a window, a
+    /// send's start times): nothing is queued (SACK, PONG, probe or exploring PING, keepalive, CTS,
+    /// ACK, tail-loss probe, retransmission, new data) and no failure episode may queue an exploring
+    /// PING. Reads only a few flags and queue lengths, so a driver with many connections can ask it
+    /// while the connection is in its cache and skip a connection with nothing to send in its
+    /// transmit round-robin (a receiver between its delayed SACKs), instead of a `poll_transmit` that
+    /// finds nothing later. `false` means only that there may be something to send.
     pub fn transmit_idle(&self) -> bool {
         matches!(self.life, Life::Open)
             && !self.rx.sack_due()
