@@ -138,6 +138,9 @@ struct End {
     last_heard: Option<Micros>,
     /// A silent end is no longer driven and everything sent to it is lost (a crashed peer).
     silent: bool,
+    /// `transmit_idle` said so at the end of the last `pump`: until the end is handed anything, no
+    /// later `poll_transmit` may find something to send (checked at the next `advance`).
+    idle: bool,
 }
 
 /// One DATA packet end A put on the wire.
@@ -199,6 +202,7 @@ impl Sim {
             done: Vec::new(),
             last_heard: None,
             silent: false,
+            idle: false,
         };
         Self {
             rng: SmallRng::seed_from_u64(seed),
@@ -248,7 +252,13 @@ impl Sim {
             }
             loop {
                 let end = &mut self.ends[i];
-                let Some(t) = end.conn.poll_transmit(self.now, &mut end.src, &mut self.buf) else { break };
+                let idle = end.conn.transmit_idle();
+                let t = end.conn.poll_transmit(self.now, &mut end.src, &mut self.buf);
+                assert!(!idle || t.is_none(), "at {} µs end {i} said it was idle and sent {t:?}", self.now);
+                let Some(t) = t else {
+                    end.idle = end.conn.transmit_idle();
+                    break;
+                };
                 assert!(t.len <= self.buf.len(), "transmit of {} bytes exceeds the {} byte buffer", t.len, self.buf.len());
                 let bytes = self.buf[..t.len].to_vec();
                 self.send(i, t.entropy, bytes);
@@ -319,6 +329,10 @@ impl Sim {
 
     fn advance(&mut self, to: Micros) {
         self.now = self.now.max(to);
+        for (i, end) in self.ends.iter_mut().enumerate().filter(|(_, e)| e.idle && !e.silent) {
+            let t = end.conn.poll_transmit(self.now, &mut end.src, &mut self.buf);
+            assert!(t.is_none(), "end {i}, idle since the last pump, has {t:?} to send at {} µs with nothing handed to it", self.now);
+        }
         while let Some(Reverse((at, ..))) = self.queue.peek() {
             if *at > self.now {
                 break;

@@ -51,6 +51,12 @@ fn note_first_tx(posted: &mut VecDeque<PostedSend>, msg: MsgId, offset: u64, now
     }
 }
 
+/// Whether an end may be skipped by its NIC when idle (see `Endpoint::idle`): not a sender under the
+/// per-packet window (`aimd`), whose window is set before each `poll_transmit`.
+fn may_skip(aimd: bool, sender: bool) -> bool {
+    !(aimd && sender)
+}
+
 /// What the simulator keeps about one end of a connection, on one NIC. Kept apart from the end's
 /// `Connection` (in [`Hosts::conns`], same index): stale timers, deliveries and the NICs' round-robin
 /// read only these few bytes, which stay in cache, instead of a line of a large connection.
@@ -62,6 +68,11 @@ pub(super) struct Endpoint {
     timer_at: Option<Ps>,
     /// In its NIC's ready list.
     in_ready: bool,
+    /// The connection had nothing to send when last asked (`Connection::transmit_idle`, asked while
+    /// it was in the cache), and nothing was handed to it since (all that ends in `after_ep`, which
+    /// asks again): the NIC skips it without a `poll_transmit` that would find nothing. It keeps its
+    /// place in the ready list meanwhile, so the round-robin order is what it would be without this.
+    idle: bool,
     /// Highest DATA PSN received (reorder distances).
     max_psn: Option<u64>,
 }
@@ -179,7 +190,16 @@ impl Sim {
         let src_nic = src * rails + rail as u32;
         let dst_nic = dst * rails + dst_rail as u32;
         let now_us = self.now / PS_PER_US;
-        let end = |nic, peer_nic, sender| Endpoint { nic, peer_nic, pair: idx, sender, timer_at: None, in_ready: false, max_psn: None };
+        let end = |nic, peer_nic, sender| Endpoint {
+            nic,
+            peer_nic,
+            pair: idx,
+            sender,
+            timer_at: None,
+            in_ready: false,
+            idle: false,
+            max_psn: None,
+        };
         let send = Connection::new(h.proto.clone(), TOKEN_BASE + es as u64, TOKEN_BASE + er as u64, send_policy, now_us);
         h.conns.push(send);
         h.eps.push(end(src_nic, dst_nic, true));
@@ -291,7 +311,9 @@ impl Sim {
             self.on_completion(ep, c);
         }
         self.rearm(ep);
-        let e = &mut self.hosts.eps[ep as usize];
+        let h = &mut self.hosts;
+        let e = &mut h.eps[ep as usize];
+        e.idle = may_skip(h.aimd, e.sender) && h.conns[ep as usize].transmit_idle();
         if !e.in_ready {
             e.in_ready = true;
             let nic = e.nic;
@@ -360,6 +382,10 @@ impl Sim {
         let h = &mut self.hosts;
         while let Some(ep) = h.ready[nic as usize].pop_front() {
             let e = &mut h.eps[ep as usize];
+            if e.idle {
+                e.in_ready = false;
+                continue;
+            }
             let conn = &mut h.conns[ep as usize];
             if h.aimd && e.sender {
                 if let Some(a) = &h.pairs[e.pair as usize].aimd {
@@ -375,6 +401,7 @@ impl Sim {
                 e.in_ready = false;
                 continue;
             };
+            e.idle = may_skip(h.aimd, e.sender) && conn.transmit_idle();
             let len = t.len;
             let data = matches!(Header::new_unchecked(&h.txbuf[..len]).packet_type(), Ok(PacketType::Data));
             if let (true, Some((msg, offset))) = (e.sender, payload.0) {

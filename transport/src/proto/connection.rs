@@ -517,6 +517,29 @@ impl Connection {
         None
     }
 
+    /// Whether [`Self::poll_transmit`] has nothing to send, now or at any later time, until this
+    /// connection is next handed something (a datagram, a post, a timeout, a close, a window, a
+    /// send's start times): nothing is queued (SACK, PONG, probe or exploring PING, keepalive, CTS,
+    /// ACK, tail-loss probe, retransmission, new data) and no failure episode may queue an exploring
+    /// PING. Reads only a few flags and queue lengths, so a driver with many connections can ask it
+    /// while the connection is in its cache and skip a connection with nothing to send in its
+    /// transmit round-robin (a receiver between its delayed SACKs), instead of a `poll_transmit` that
+    /// finds nothing later. `false` means only that there may be something to send.
+    pub fn transmit_idle(&self) -> bool {
+        matches!(self.life, Life::Open)
+            && !self.rx.sack_due()
+            && self.pong_due.is_empty()
+            && !self.paths.probe_pending()
+            && (self.work_since.is_none() || self.paths.explore_idle())
+            && !self.ping_due
+            && !self.rx.cts_pending()
+            && !self.tx.tlp_due
+            && self.tx.retx_queue.is_empty()
+            && self.gates.parked.is_none()
+            && !self.tx.new_data_queued()
+            && !self.tx.ack_pending
+    }
+
     /// Write a CONTROL packet; `route` is (path to send on, entropy field, timestamp field).
     fn emit_control(&mut self, kind: ControlKind, route: Option<(u16, u16, u32)>, out: &mut [u8]) -> Option<Transmit> {
         let (path, entropy, ts_us) = match route {

@@ -522,6 +522,12 @@ impl Paths {
         self.explore_candidate().map(|_| self.next_explore_at)
     }
 
+    /// No exploring PING is queued, and none can be until a health change wants one
+    /// (`schedule_explore` does nothing).
+    pub(crate) fn explore_idle(&self) -> bool {
+        !self.explore_wanted && self.explore_due.is_none()
+    }
+
     /// Probes not yet sent.
     pub(crate) fn probe_pending(&self) -> bool {
         !self.probes_due.is_empty()

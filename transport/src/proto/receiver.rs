@@ -139,6 +139,16 @@ impl RxState {
         (self.started_subs > 0).then_some(self.data_at)
     }
 
+    /// A SACK is due now.
+    pub(crate) fn sack_due(&self) -> bool {
+        self.sack_due
+    }
+
+    /// CTS wait to be sent (first copies, second copies or retransmissions).
+    pub(crate) fn cts_pending(&self) -> bool {
+        !self.cts_queue.is_empty()
+    }
+
     /// Grouped receives posted and not completed.
     pub(crate) fn open_recvs(&self) -> usize {
         self.groups.len()

@@ -234,6 +234,11 @@ impl TxState {
         !self.sends.is_empty() || !self.tx_queue.is_empty() || self.snd_una < self.next_psn
     }
 
+    /// Matched sends (or truncation markers) have packets not sent yet.
+    pub(crate) fn new_data_queued(&self) -> bool {
+        !self.tx_queue.is_empty()
+    }
+
     /// Next PSN to be assigned (every PSN below was sent at least once).
     pub(crate) fn next_psn(&self) -> u64 {
         self.next_psn
