@@ -10,7 +10,8 @@
 # best size). Note: all_reduce moves the bytes in both directions at once; plain ib_write_bw in one,
 # `ib_write_bw -b` in both like all_reduce (ratio_busbw_best_vs_ib_write_bw_bidir: per direction each).
 # Last, prism-perf `oneway` (rank 0 -> rank 1 only, the same sizes) against plain ib_write_bw
-# (ratio_oneway_best_vs_ib_write_bw: one direction each, like for like).
+# (ratio_oneway_best_vs_ib_write_bw: one direction each) and against ib_write_bw over as many QPs as
+# Prism uses (-q 16: ratio_oneway_best_vs_ib_write_bw_16qp, like for like).
 . /prism/lib.sh
 SIZES_FLAGS=${SIZES_FLAGS:-"-b 1M -e 16M -f 4"}
 NSIZES=${NSIZES:-3}
@@ -130,16 +131,32 @@ if is_pos "$ib" && [ -s /tmp/rows ]; then
   metric ratio_algbw_largest_vs_ib_write_bw "$(awk -v b="$2" -v i="$ib" 'BEGIN { printf "%.3f", b * 1000 / i }')"
 fi
 
-# Like for like with plain ib_write_bw: prism-perf's `oneway`, rank 0 -> rank 1 only, same sizes (its
+# Like for like with ib_write_bw: prism-perf's `oneway`, rank 0 -> rank 1 only, same sizes (its
 # busbw = algbw = bytes delivered per second in the one direction). Last, so the all_reduce rows above
-# are not overwritten before their ratios are taken.
+# are not overwritten before their ratios are taken. Prism spreads over PRISM_PATHS (16) QPs, and rxe
+# works on QPs in parallel, so ib_write_bw with as many QPs (-q 16, one way) is measured too.
 # shellcheck disable=SC2086
 run_two_ranks oneway "$(prism_env rxe0 va)" "$(prism_env rxe1 vb)" oneway $SIZES_FLAGS $ITER_FLAGS -c 1 -T 120
 [ "$RC0" -eq 0 ] && [ "$RC1" -eq 0 ]; check prism_oneway_exit_0 $? "rank 0 rc=$RC0, rank 1 rc=$RC1"
 check_perf prism_oneway "$OUT/oneway.rank0.json" "$NSIZES"
-if is_pos "$ib" && [ -s /tmp/rows ]; then
-  best=$(awk 'BEGIN { m = 0 } $3 > m { m = $3 } END { print m }' /tmp/rows)
+cp /tmp/rows /tmp/rows-oneway
+# -n counts per QP: the same bytes in all as the one-QP run.
+nq=$((IB_ITERS / 16))
+start_sampler "$OUT/ib-q16-rcvd.txt" /sys/class/infiniband/rxe1/ports/1/hw_counters/rcvd_pkts
+ib_write_bw -d rxe1 -x "$gid" -F -q 16 -n "$nq" -s 65536 -u 17 -p 18602 >"$OUT/ib-q16-server.log" 2>&1 &
+srv=$!
+wait_listen 18602 10 || log "ib_write_bw -q 16 server did not listen"
+timeout 120 ib_write_bw -d rxe0 -x "$gid" -F -q 16 -n "$nq" -s 65536 -u 17 -p 18602 10.9.0.2 >"$OUT/ib-q16-client.log" 2>&1
+crc=$?
+wait "$srv"; src=$?
+stop_sampler
+ibq=""; [ "$crc" -eq 0 ] && [ "$src" -eq 0 ] && ibq=$(sampled_rate "$OUT/ib-q16-rcvd.txt" $((16 * nq * 65536)))
+metric ib_write_bw_16qp_MBps "${ibq:-null}"
+is_pos "$ibq"; check ib_write_bw_16qp_moves_data $? "ib_write_bw RC 16 QPs 64 KiB rxe0 -> rxe1: ${ibq:-failed} MB/s (client rc=$crc server rc=$src)"
+if [ -s /tmp/rows-oneway ]; then
+  best=$(awk 'BEGIN { m = 0 } $3 > m { m = $3 } END { print m }' /tmp/rows-oneway)
   metric prism_oneway_busbw_MBps_best "$(awk -v b="$best" 'BEGIN { printf "%.2f", b * 1000 }')"
-  metric ratio_oneway_best_vs_ib_write_bw "$(awk -v b="$best" -v i="$ib" 'BEGIN { printf "%.3f", b * 1000 / i }')"
+  is_pos "$ib" && metric ratio_oneway_best_vs_ib_write_bw "$(awk -v b="$best" -v i="$ib" 'BEGIN { printf "%.3f", b * 1000 / i }')"
+  is_pos "$ibq" && metric ratio_oneway_best_vs_ib_write_bw_16qp "$(awk -v b="$best" -v i="$ibq" 'BEGIN { printf "%.3f", b * 1000 / i }')"
 fi
 finish
