@@ -59,6 +59,12 @@ pub(super) fn frag_count(len: u32) -> usize {
     (len as usize).div_ceil(FRAG_PAYLOAD).max(1)
 }
 
+/// Payload bytes of the fragment at `frag_off` of a packet of `pkt_len` bytes (sender and receiver
+/// cut alike: every fragment but the last carries [`FRAG_PAYLOAD`]).
+pub(super) fn frag_len(pkt_len: u32, frag_off: u32) -> u32 {
+    pkt_len.saturating_sub(frag_off).min(FRAG_PAYLOAD as u32)
+}
+
 /// A retransmission whose fragments are being posted: the packet, where its payload starts in the
 /// send `msg`, and the next fragment's offset within the packet.
 pub(super) struct Bounce {
@@ -102,7 +108,7 @@ impl BounceTx {
 /// Fill `slot` with the fragment of `b` at `b.hdr.frag_off`, its payload read by `read(send offset,
 /// out)`; returns the fragment's length.
 pub(super) fn fill_fragment(b: &Bounce, slot: &mut [u8], read: impl FnOnce(u64, &mut [u8])) -> usize {
-    let n = (b.hdr.pkt_len - b.hdr.frag_off).min(FRAG_PAYLOAD as u32) as usize;
+    let n = frag_len(b.hdr.pkt_len, b.hdr.frag_off) as usize;
     b.hdr.emit(&mut slot[..FRAG_HEADER_LEN]);
     read(b.send_off + u64::from(b.hdr.frag_off), &mut slot[FRAG_HEADER_LEN..FRAG_HEADER_LEN + n]);
     FRAG_HEADER_LEN + n
@@ -130,7 +136,7 @@ impl Reassembly {
     pub(super) fn on_frag(&mut self, f: &FragRepr, payload: &[u8], place: impl FnOnce(u64, &[u8])) -> Option<[u8; DATA_HEADER_LEN]> {
         self.counters.frags_received += 1;
         let off = f.frag_off as usize;
-        let want = (f.pkt_len as usize - off.min(f.pkt_len as usize)).min(FRAG_PAYLOAD);
+        let want = frag_len(f.pkt_len, f.frag_off) as usize;
         if !off.is_multiple_of(FRAG_PAYLOAD) || payload.len() != want {
             self.counters.frags_bad += 1;
             return None;

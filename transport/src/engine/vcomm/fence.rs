@@ -182,9 +182,10 @@ impl Fences {
         counters: &mut VerbsCounters,
     ) -> Option<Vec<u64>> {
         let Some(cts_seq) = cts_seq else { return Some(sizes) };
+        // Every buffer's mark goes; only those with bytes wait.
         let bounced = &mut self.bounced;
-        let need: Vec<Target> = (0..sizes.len()).map(|i| (cts_seq, i as u8)).filter(|t| bounced.remove(t)).collect();
-        let need: Vec<Target> = need.into_iter().filter(|t| sizes[t.1 as usize] > 0).collect();
+        let need: Vec<Target> =
+            (0..sizes.len()).map(|i| (cts_seq, i as u8)).filter(|t| bounced.remove(t) && sizes[t.1 as usize] > 0).collect();
         if need.is_empty() {
             return Some(sizes);
         }

@@ -18,7 +18,7 @@ mod desc;
 mod fence;
 mod recreate;
 
-use self::bounce::{fill_fragment, BounceTx, Reassembly, FRAG_PAYLOAD};
+use self::bounce::{fill_fragment, frag_len, BounceTx, Reassembly};
 use self::desc::{DescRx, DescTx};
 use self::fence::{parse_fence, Fences};
 use super::revive::{self, QpCtlRx, Revive};
@@ -419,7 +419,7 @@ impl VerbsComm {
                     break;
                 }
                 c.frags_sent += 1;
-                b.hdr.frag_off += (b.hdr.pkt_len - b.hdr.frag_off).min(FRAG_PAYLOAD as u32);
+                b.hdr.frag_off += frag_len(b.hdr.pkt_len, b.hdr.frag_off);
             }
             if b.hdr.frag_off < b.hdr.pkt_len {
                 return;

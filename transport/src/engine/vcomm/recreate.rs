@@ -106,37 +106,31 @@ impl VerbsComm {
         }
     }
 
-    /// Post `bytes` as a SEND on the next live QP, rotating over rails and QPs: first one whose path
-    /// `conn` would send new packets on now (a QP that merely has no error can sit on a black-holed
-    /// path, and a FENCE or its request lost there held a receive for its whole 2 s), else any live
-    /// one; false if none took it.
+    /// Post `bytes` as a SEND on the next live QP, rotating over rails and QPs, one whose path `conn`
+    /// trusts first; false if none took it.
     pub(super) fn post_on_live_qp(&mut self, bytes: &[u8], conn: &Connection) -> bool {
-        let total = self.rails.len() * self.paths as usize;
-        for healthy_only in [true, false] {
-            for _ in 0..total {
-                let k = self.fence_rr % total;
-                self.fence_rr = self.fence_rr.wrapping_add(1);
-                let (r, q) = (k / self.paths as usize, k % self.paths as usize);
-                if healthy_only && !conn.path_preferred(k as u16) {
-                    continue;
-                }
-                if !self.rails[r].is_dead(q) && self.rails[r].post_send(q, bytes).is_ok() {
-                    return true;
-                }
-            }
-        }
-        false
+        self.post_rotating(0, self.rails.len() * self.paths as usize, bytes, conn)
     }
 
     /// Post `bytes` as a SEND on a live QP of rail `r`, rotating over its QPs, one whose path `conn`
     /// trusts first; false if none took it.
     pub(super) fn post_on_rail(&mut self, r: usize, bytes: &[u8], conn: &Connection) -> bool {
         let paths = self.paths as usize;
+        self.post_rotating(r * paths, paths, bytes, conn)
+    }
+
+    /// Post `bytes` on the QP of one of the `n` entropies from `first`, rotating: first one whose path
+    /// `conn` would send new packets on now (a QP that merely has no error can sit on a black-holed
+    /// path, and a FENCE or its request lost there held a receive for its whole 2 s), else any live
+    /// one; false if none took it.
+    fn post_rotating(&mut self, first: usize, n: usize, bytes: &[u8], conn: &Connection) -> bool {
+        let paths = self.paths as usize;
         for healthy_only in [true, false] {
-            for _ in 0..paths {
-                let q = self.fence_rr % paths;
+            for _ in 0..n {
+                let k = first + self.fence_rr % n;
                 self.fence_rr = self.fence_rr.wrapping_add(1);
-                if healthy_only && !conn.path_preferred((r * paths + q) as u16) {
+                let (r, q) = (k / paths, k % paths);
+                if healthy_only && !conn.path_preferred(k as u16) {
                     continue;
                 }
                 if !self.rails[r].is_dead(q) && self.rails[r].post_send(q, bytes).is_ok() {
