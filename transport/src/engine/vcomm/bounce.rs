@@ -114,11 +114,29 @@ pub(super) fn fill_fragment(b: &Bounce, slot: &mut [u8], read: impl FnOnce(u64, 
     FRAG_HEADER_LEN + n
 }
 
-/// A packet being reassembled.
+/// A packet being reassembled: its first fragment, the newest CTS acknowledgement its fragments
+/// carried, the fragments that came.
 struct Partial {
     first: FragRepr,
+    cts_ack: u64,
     have: Vec<u64>,
     missing: usize,
+}
+
+impl Partial {
+    fn new(f: &FragRepr) -> Self {
+        let n = frag_count(f.pkt_len);
+        Self { first: *f, cts_ack: f.cts_ack, have: vec![0; n.div_ceil(64)], missing: n }
+    }
+}
+
+/// Whether `a` and `b` are fragments of the same packet: the same bytes for the same place. Copies
+/// sent at different times may differ in the rest: a later retransmission carries a newer CTS
+/// acknowledgement and takes another path, and its fragments complete what an earlier copy, partly
+/// lost, began.
+fn same_packet(a: &FragRepr, b: &FragRepr) -> bool {
+    (a.sub, a.token, a.cts_seq, a.psn, a.offset, a.total_len, a.pkt_len)
+        == (b.sub, b.token, b.cts_seq, b.psn, b.offset, b.total_len, b.pkt_len)
 }
 
 /// Receiver side: packets whose fragments are coming.
@@ -143,8 +161,7 @@ impl Reassembly {
         }
         let key = (f.cts_seq, f.sub, f.psn);
         if let Entry::Vacant(e) = self.parts.entry(key) {
-            let n = frag_count(f.pkt_len);
-            e.insert(Partial { first: *f, have: vec![0; n.div_ceil(64)], missing: n });
+            e.insert(Partial::new(f));
             self.order.push_back(key);
             while self.order.len() > REASM_MAX {
                 if let Some(old) = self.order.pop_front() {
@@ -155,11 +172,14 @@ impl Reassembly {
             }
         }
         let p = self.parts.get_mut(&key)?;
-        let same = FragRepr { frag_off: f.frag_off, ..p.first } == *f;
-        if !same {
+        if !same_packet(&p.first, f) {
+            // The same PSN of the same receive as another packet: only a confused peer sends that.
+            // The newer copy wins; keeping the older would refuse every later copy, and the packet
+            // could never complete.
             self.counters.frags_bad += 1;
-            return None;
+            *p = Partial::new(f);
         }
+        p.cts_ack = p.cts_ack.max(f.cts_ack);
         let k = off / FRAG_PAYLOAD;
         let (w, bit) = (k / 64, 1u64 << (k % 64));
         if p.have[w] & bit != 0 {
@@ -172,12 +192,13 @@ impl Reassembly {
         if p.missing > 0 {
             return None;
         }
+        let cts_ack = p.cts_ack;
         self.parts.remove(&key);
         self.order.retain(|k| *k != key);
         self.counters.packets_reassembled += 1;
         let r = DataRepr {
             token: f.token,
-            cts_ack: f.cts_ack,
+            cts_ack,
             psn: f.psn,
             cts_seq: f.cts_seq,
             sub: f.sub,
@@ -270,25 +291,37 @@ mod tests {
         assert!(rx.parts.is_empty() && rx.order.is_empty());
     }
 
-    /// A fragment that disagrees with its packet's first one, or is not cut where the sender cuts,
-    /// is dropped before anything is placed; a short last packet needs fewer fragments.
+    /// A later retransmission (a newer CTS acknowledgement, another path) completes what an earlier
+    /// copy, partly lost, began; a fragment not cut where the sender cuts places nothing; a copy
+    /// that conflicts with the packet (other bytes for the PSN) restarts it rather than blocking every
+    /// later copy (a failure-verbs run stalled for 20 s on that: every retransmission of a packet
+    /// whose first copy lost fragments with the rail was refused).
     #[test]
-    fn disagreeing_or_misaligned_fragments_place_nothing() {
+    fn a_later_copy_completes_a_packet_and_nothing_blocks_it() {
         let d = data(11, 0, 1000);
-        let frags = fragments(&d);
-        assert_eq!(frags.len(), 2);
+        let first = fragments(&d);
+        let later = fragments(&DataRepr { cts_ack: 4, entropy: 9, ..d });
+        assert_eq!(first.len(), 2);
         let mut buf = vec![0u8; 4 * PKT as usize];
         let mut rx = Reassembly::default();
-        assert_eq!(feed(&mut rx, &mut buf, &frags[0]), None);
-        let (mut f, payload) = FragRepr::parse(&frags[1]).unwrap();
+        assert_eq!(feed(&mut rx, &mut buf, &first[0]), None, "the first copy's second fragment is lost");
+        let h = feed(&mut rx, &mut buf, &later[1]).expect("the later copy completes the packet");
+        assert_eq!((h.cts_ack, h.len, h.offset), (4, 1000, 0), "the newest acknowledgement");
+        assert_eq!(rx.counters.frags_bad, 0);
+
+        let (mut g, payload) = FragRepr::parse(&first[1]).unwrap();
         let payload = payload.to_vec();
-        f.total_len += 128;
-        assert_eq!(rx.on_frag(&f, &payload, |_, _| panic!("placed a disagreeing fragment")), None);
-        let (mut g, _) = FragRepr::parse(&frags[1]).unwrap();
         g.frag_off = 128;
         assert_eq!(rx.on_frag(&g, &payload, |_, _| panic!("placed a misaligned fragment")), None);
+        assert_eq!(rx.counters.frags_bad, 1);
+
+        assert_eq!(feed(&mut rx, &mut buf, &first[0]), None);
+        let (mut f, _) = FragRepr::parse(&first[1]).unwrap();
+        f.total_len += 128;
+        assert_eq!(rx.on_frag(&f, &payload, |_, _| {}), None, "a conflicting copy restarts the packet");
         assert_eq!(rx.counters.frags_bad, 2);
-        assert!(feed(&mut rx, &mut buf, &frags[1]).is_some());
+        assert_eq!(feed(&mut rx, &mut buf, &first[0]), None);
+        assert!(feed(&mut rx, &mut buf, &first[1]).is_some(), "the packet still completes");
     }
 
     /// Memory stays bounded: beyond 256 partial packets the oldest goes (proto resends it); a
