@@ -44,7 +44,8 @@ pub(crate) struct BounceCounters {
     pub frags_received: u64,
     /// Fragments of a receive that is no longer posted (dropped: nothing is written).
     pub frags_stale: u64,
-    /// Fragments dropped as malformed or disagreeing with their packet's other fragments.
+    /// Fragments dropped as malformed, and fragments that conflicted with their packet's earlier ones
+    /// (other bytes for the same PSN; the packet restarts from them).
     pub frags_bad: u64,
     /// Fragments received again (dropped).
     pub frags_dup: u64,
