@@ -101,3 +101,28 @@ fn comms_opened_while_others_close_always_have_a_progress_thread() {
 fn net() -> Net {
     common::net(&[("PRISM_SEED", "7"), ("PRISM_PATHS", "4")])
 }
+
+/// NCCL posts a send and then stops testing it (its proxy thread busy elsewhere, or preempted for
+/// good): the progress thread takes the comm over once the owner has not driven it for a while, and
+/// the message is delivered without one more test of the send. Its completion waits for the next test.
+#[test]
+fn a_send_its_owner_stopped_testing_is_still_delivered() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let net = net();
+    let (mut s, mut r) = pair(&net);
+    // Larger than the sender's window: it needs acknowledgements processed to finish.
+    let len = 32 << 20;
+    let out = SharedRecv::filled(len, 0);
+    let rreq = r.irecv(vec![(Box::new(out.clone()) as Box<dyn RecvBuf>, 0)]).unwrap().expect("room for the receive");
+    let sreq = s.isend(Box::new(VecSend::new(vec![0xA5; len])), 0).unwrap().expect("room for the send");
+    let t0 = Instant::now();
+    while r.test(rreq).unwrap().is_none() {
+        assert!(t0.elapsed() < Duration::from_secs(20), "the receive did not complete while the sender's owner was away");
+    }
+    assert!(out.0.lock().unwrap().iter().all(|&b| b == 0xA5), "the message arrived damaged");
+    let t0 = Instant::now();
+    while s.test(sreq).unwrap().is_none() {
+        assert!(t0.elapsed() < Duration::from_secs(20), "the send did not complete once tested again");
+    }
+    drop((s, r));
+}

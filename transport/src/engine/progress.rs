@@ -33,7 +33,8 @@ pub(crate) trait Host: Send + Sync {
 pub(crate) trait Driven: Send {
     /// The comm was closed (the registry forgets it).
     fn is_closed(&self) -> bool;
-    /// Its owner drove it within the last `window_us` before `now`.
+    /// Its owner drives it: it holds requests of the comm and drove it within the last `window_us`
+    /// before `now`.
     fn owner_active(&self, now: u64, window_us: u64) -> bool;
     /// Progress it (receive, send, timers).
     fn progress(&mut self);
@@ -48,9 +49,15 @@ type DynDriven = Mutex<dyn Driven>;
 /// Longest the thread sleeps with nothing due (bounds how stale an idle comm's timers can get).
 const MAX_SLEEP_US: u64 = 1_000;
 
-/// A comm whose owner drove it this recently is the owner's business: the thread skips it, so that
-/// on a busy host it does not compete with NCCL's own progress thread for the CPU.
-const OWNER_ACTIVE_US: u64 = 500;
+/// A comm whose owner holds requests of it and drove it this recently is the owner's business: the
+/// thread skips it, so that on a busy host it does not compete with NCCL's own progress thread for
+/// the CPU. Longer than a scheduler time slice (a few ms): an owner that the kernel preempted in favour
+/// of another busy thread is still driving its comms, and a thread that took over every time woke on
+/// every datagram and took the comm's lock from the owner (500 us cost a 2-rank 64 MiB loopback
+/// sendrecv on 2 cores about a quarter of its throughput). Half the default retransmission-timeout
+/// floor (`PRISM_RTO_MIN_US`), so that an owner that holds requests but stopped testing them delays
+/// the comm's timers by less than one timeout.
+const OWNER_ACTIVE_US: u64 = 10_000;
 
 /// Longest `stop` waits, after the join, for the kernel to finish the thread's exit.
 const REAP_TIMEOUT: Duration = Duration::from_secs(2);

@@ -202,7 +202,7 @@ pub(crate) struct CommCore {
     board: BoardState,
     closed: bool,
     /// When the owner (NCCL's thread) last drove this comm; the progress thread leaves it alone
-    /// while the owner is active.
+    /// while the owner is active (`owner_active`).
     owner_active_us: u64,
     /// Request failures logged at WARN so far: the first of a comm says what happened, the rest
     /// (every other request of a comm whose peer went away fails the same way) go to DEBUG.
@@ -310,9 +310,12 @@ impl CommCore {
         }
     }
 
-    /// True when the owner drove the comm within the last `window_us`.
+    /// True while the owner drives the comm: NCCL holds requests of it (so it will test them) and
+    /// drove it within the last `window_us`. A comm whose requests NCCL has all taken back is the
+    /// progress thread's at once: only the transport's own work is left (acknowledgements owed,
+    /// retransmissions, keepalives), and nobody else will do it.
     pub fn owner_active(&self, now: u64, window_us: u64) -> bool {
-        now.saturating_sub(self.owner_active_us) < window_us
+        owner_drives(!self.requests.ids.is_empty(), self.owner_active_us, now, window_us)
     }
 
     /// Progress on behalf of the owner (isend/irecv/test).
@@ -740,6 +743,12 @@ pub(super) fn adopt(net: &Arc<NetInner>, core: CommCore) -> SharedCore {
     shared
 }
 
+/// The progress thread's rule (`CommCore::owner_active`): the owner drives a comm while it holds
+/// requests of it and drove it within the last `window_us`.
+fn owner_drives(holds_requests: bool, driven_at_us: u64, now: u64, window_us: u64) -> bool {
+    holds_requests && now.saturating_sub(driven_at_us) < window_us
+}
+
 impl Driven for CommCore {
     fn is_closed(&self) -> bool {
         CommCore::is_closed(self)
@@ -752,5 +761,23 @@ impl Driven for CommCore {
     }
     fn next_wake(&mut self) -> Option<u64> {
         CommCore::next_wake(self)
+    }
+}
+
+#[cfg(test)]
+mod owner_tests {
+    use super::owner_drives;
+
+    #[test]
+    fn the_owner_drives_a_comm_only_while_it_holds_requests_and_tested_lately() {
+        // Holding requests and driven 9.999 ms ago: the owner's (a preempted owner is still driving).
+        assert!(owner_drives(true, 1_000, 10_999, 10_000));
+        // Not driven for the whole window: the thread takes over, requests or not.
+        assert!(!owner_drives(true, 1_000, 11_000, 10_000));
+        // No request held: nobody will test the comm again, so it is the thread's at once, however
+        // recently its owner drove it (the last test that returned a completion).
+        assert!(!owner_drives(false, 1_000, 1_000, 10_000));
+        // A clock that went backwards (never on a monotonic clock) counts as just driven.
+        assert!(owner_drives(true, 5_000, 4_000, 10_000));
     }
 }
