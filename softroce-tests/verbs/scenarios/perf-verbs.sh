@@ -47,15 +47,38 @@ ib_run() {
   IB_RCS="client rc=$_ib_crc server rc=$_ib_src"
 }
 
+# rxe_counters: every hw counter of rxe0 and rxe1 and the veth pair's drop counters, one "name value" per
+# line (for the deltas around a run: where packets were lost, if any were).
+rxe_counters() {
+  for d in rxe0 rxe1; do
+    for f in /sys/class/infiniband/$d/ports/1/hw_counters/*; do
+      [ -r "$f" ] && printf '%s.%s %s\n' "$d" "$(basename "$f")" "$(cat "$f")"
+    done
+  done
+  for n in va vb; do
+    for k in rx_dropped tx_dropped; do printf '%s.%s %s\n' "$n" "$k" "$(net_stat "$n" "$k")"; done
+  done
+}
+
+# counter_deltas BEFORE AFTER: "name +delta" for every counter that moved, on one line.
+counter_deltas() {
+  awk 'NR == FNR { b[$1] = $2; next } ($1 in b) && $2 != b[$1] { printf "%s +%d ", $1, $2 - b[$1] }' "$1" "$2"
+}
+
 wire_setup; check wire_up $? "two rxe devices on the va/vb veth pair (va = 10.9.0.1)"
 gid=$(roce_v2_ipv4_gid_index rxe0) || gid=1
 metric_str transport "$TRANSPORT"
 metric rxe_active_mtu "$(active_mtu rxe0)"
 tx0=$(net_stat va tx_bytes); rx0=$(net_stat va rx_bytes)
+rxe_counters >/tmp/counters-before
 t0=$(up)
 # shellcheck disable=SC2086
 run_two_ranks perf "$(prism_env rxe0 va)" "$(prism_env rxe1 vb)" all_reduce $SIZES_FLAGS $ITER_FLAGS -c 1 -T 120
 metric prism_perf_seconds "$(awk -v a="$t0" -v b="$(up)" 'BEGIN { printf "%.1f", b - a }')"
+rxe_counters >/tmp/counters-after
+# Informational: which rxe and veth counters moved during the all_reduce (retries, sequence errors,
+# drops: where the losses proto recovered from were made).
+metric_str rxe_counters_all_reduce "$(counter_deltas /tmp/counters-before /tmp/counters-after)"
 [ "$RC0" -eq 0 ] && [ "$RC1" -eq 0 ]; check prism_perf_exit_0 $? "rank 0 rc=$RC0, rank 1 rc=$RC1"
 check_perf prism "$OUT/perf.rank0.json" "$NSIZES"
 check_backend prism "$OUT/perf.rank0.json.rank0.stats.json" "$OUT/perf.rank1.json.rank1.stats.json"
