@@ -18,10 +18,15 @@ pub enum Feedback {
         /// Caller's clock, µs.
         now_us: u64,
     },
-    /// A packet sent on `entropy` was reported lost (reorder threshold exceeded).
+    /// A packet sent on `entropy` was reported lost (reorder threshold exceeded, or overdue by time).
     Nack {
         /// The entropy the lost packet used.
         entropy: u16,
+        /// The path itself lost it: a packet sent after it on the same entropy arrived first (a path
+        /// keeps its packets in order), which is what a per-path NACK of a RoCE QP says. False when
+        /// only packets on other paths overtook it: queues of different depth reorder a sprayed
+        /// connection's paths without losing anything, and such a loss may yet turn out spurious.
+        own_path: bool,
         /// Caller's clock, µs.
         now_us: u64,
     },

@@ -403,6 +403,16 @@ impl PathPolicy for FlowPaths {
         }
     }
 
+    fn allows(&mut self, ctx: &PathCtx, uplink: Option<u16>, e: u16) -> bool {
+        match uplink {
+            None => true,
+            Some(u) => {
+                let u = self.effective_uplink(u, ctx.msg);
+                self.pinned(u).allows(ctx, None, e)
+            }
+        }
+    }
+
     fn feedback(&mut self, fb: &Feedback) {
         self.dead.apply(fb);
         let class = fb.entropy().map(|e| self.rt.inner.topo.uplink_of_entropy(self.my_leaf, e));
@@ -430,7 +440,10 @@ impl PathPolicy for FlowPaths {
         let now = fb.now_us();
         let reset = self.rt.inner.cfg.ethereal.reset_us;
         match (*fb, class) {
-            (Feedback::Nack { .. }, Some(u)) => self.reroute(u, now),
+            // A NACK in the paper is a RoCE QP's: a gap in one sub-flow's packets on one path. Only a
+            // loss its own path proves (a later packet on the same entropy arrived) is that; a packet
+            // only overtaken on other uplinks waited in a deeper queue.
+            (Feedback::Nack { own_path: true, .. }, Some(u)) => self.reroute(u, now),
             (Feedback::Timeout { .. }, Some(u)) | (Feedback::PathState { alive: false, .. }, Some(u)) => {
                 // Ethereal's failure signal: future batches avoid this uplink until the reset timer fires.
                 lock(&self.rt.inner.split).bad.mark_bad(self.rail, u, now.saturating_add(reset));

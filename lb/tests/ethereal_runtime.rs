@@ -155,12 +155,27 @@ fn a_nack_moves_the_sub_flow_to_another_uplink_for_the_rest_of_its_message() {
     let mut pol = rt.path_policy(FlowInfo { dst_host: 1, rail: 0 }, SEED);
     let e = pol.pick_for(&ctx(0, 10), Some(2));
     assert_eq!(e % 4, 2);
-    pol.feedback(&Feedback::Nack { entropy: e, now_us: 11 });
+    pol.feedback(&Feedback::Nack { entropy: e, own_path: true, now_us: 11 });
     let moved: HashSet<u16> = (0..50).map(|_| pol.pick_for(&ctx(0, 12), Some(2)) % 4).collect();
     assert_eq!(moved.len(), 1, "one new uplink for the sub-flow: {moved:?}");
     assert!(!moved.contains(&2));
     // The next message's sub-flow pinned to uplink 2 uses it again (a NACK does not mark it bad).
     assert_eq!(pol.pick_for(&ctx(1, 13), Some(2)) % 4, 2);
+}
+
+#[test]
+fn a_loss_only_other_uplinks_overtook_does_not_move_the_sub_flow() {
+    let rt = runtime(4, PathKind::Spray);
+    let mut pol = rt.path_policy(FlowInfo { dst_host: 1, rail: 0 }, SEED);
+    let e = pol.pick_for(&ctx(0, 10), Some(2));
+    assert_eq!(e % 4, 2);
+    // Overdue against packets on other uplinks only: a deeper queue, not the path's own gap.
+    pol.feedback(&Feedback::Nack { entropy: e, own_path: false, now_us: 11 });
+    let kept: HashSet<u16> = (0..50).map(|_| pol.pick_for(&ctx(0, 12), Some(2)) % 4).collect();
+    assert_eq!(kept, HashSet::from([2]), "the sub-flow stays on its uplink");
+    // The same loss proven on its own path moves it.
+    pol.feedback(&Feedback::Nack { entropy: e, own_path: true, now_us: 13 });
+    assert!(!(0..50).any(|_| pol.pick_for(&ctx(0, 14), Some(2)) % 4 == 2), "a path's own loss moves the sub-flow");
 }
 
 #[test]

@@ -123,6 +123,10 @@ impl PathPolicy for SimPolicy {
         self.inner.pick_fit(ctx, uplink.or(self.pin), fit)
     }
 
+    fn allows(&mut self, ctx: &PathCtx, uplink: Option<u16>, e: u16) -> bool {
+        self.inner.allows(ctx, uplink.or(self.pin), e)
+    }
+
     fn feedback(&mut self, fb: &Feedback) {
         self.inner.feedback(fb);
         if let Some(r) = &self.rate {
@@ -169,7 +173,7 @@ mod tests {
             a.on_feedback(&ack(true, 100 + i));
         }
         assert_eq!(a.window_pkts(), 62);
-        a.on_feedback(&Feedback::Nack { entropy: 0, now_us: 110 });
+        a.on_feedback(&Feedback::Nack { entropy: 0, own_path: true, now_us: 110 });
         assert_eq!(a.window_pkts(), 61);
         for i in 0..1000 {
             a.on_feedback(&ack(true, 200 + i));

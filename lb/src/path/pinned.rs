@@ -108,8 +108,22 @@ impl PathPolicy for Pinned {
         }
         let inner_ctx = PathCtx { n_paths: self.class.len() as u16, avoid: ctx.avoid.and_then(|a| self.to_index(a)), ..*ctx };
         let class = &self.class;
-        let i = self.inner.pick_fit(&inner_ctx, None, &mut |i| class.get(i as usize).is_some_and(|&e| fit(e)))?;
-        self.class.get(i as usize).copied()
+        if let Some(i) = self.inner.pick_fit(&inner_ctx, None, &mut |i| class.get(i as usize).is_some_and(|&e| fit(e))) {
+            return self.class.get(i as usize).copied();
+        }
+        // The inner policy has no walk of its own (ECMP, spraying) or found nothing fit: the fit
+        // entropy of this uplink nearest after its plain pick. The split layer pinned the chunk here
+        // (Ethereal balances uplinks by bytes), so it leaves the uplink only when none of the
+        // uplink's paths is fit (the caller's correction in entropy order would take another
+        // uplink's).
+        let len = self.class.len();
+        let start = self.inner.pick(&inner_ctx) as usize % len;
+        (0..len).map(|k| self.class[(start + k) % len]).find(|&e| Some(e) != ctx.avoid && fit(e))
+    }
+
+    fn allows(&mut self, ctx: &PathCtx, _uplink: Option<u16>, e: u16) -> bool {
+        self.refresh(ctx.n_paths.max(1));
+        self.class.is_empty() || self.to_index(e).is_some()
     }
 
     fn feedback(&mut self, fb: &Feedback) {
@@ -148,6 +162,22 @@ mod tests {
         p.feedback(&Feedback::Ack { entropy: 10, rtt_us: 5, congested: false, bytes: 1, now_us: 1 });
         p.feedback(&Feedback::Ack { entropy: 11, rtt_us: 5, congested: false, bytes: 1, now_us: 1 });
         assert_eq!(p.pick(&ctx(64)), 10);
+    }
+
+    #[test]
+    fn a_fit_pick_stays_on_the_uplink_while_any_of_its_paths_is_fit() {
+        // ECMP and spraying have no walk of their own (their pick_fit finds nothing): the fit entropy
+        // of the uplink is found all the same, and only when none is fit is the pick left to the caller.
+        for inner in [Box::new(crate::path::Ecmp::new(7)) as Box<dyn PathPolicy>, Box::new(Spray::new(3))] {
+            let mut p = Pinned::new(inner, 2, Box::new(|e| e % 4));
+            for _ in 0..100 {
+                assert_eq!(p.pick_fit(&ctx(64), None, &mut |e| e == 42 || e == 11), Some(42), "42 is uplink 2's only fit path");
+            }
+            assert_eq!(p.pick_fit(&ctx(64), None, &mut |e| e % 4 != 2), None, "no fit path on the uplink: the caller decides");
+            let avoid = PathCtx { avoid: Some(42), ..ctx(64) };
+            assert_eq!(p.pick_fit(&avoid, None, &mut |e| e == 42 || e == 46), Some(46), "never the entropy to avoid");
+            assert!(p.allows(&ctx(64), None, 46) && !p.allows(&ctx(64), None, 47), "only the uplink's entropies are allowed");
+        }
     }
 
     #[test]

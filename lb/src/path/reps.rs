@@ -217,7 +217,7 @@ impl PathPolicy for Reps {
                 let v = if congested { Verdict::NotRecycled } else { Verdict::Good };
                 self.process(Some(entropy), v, now_us);
             }
-            Feedback::Nack { entropy, now_us } => self.process(Some(entropy), Verdict::NotRecycled, now_us),
+            Feedback::Nack { entropy, now_us, .. } => self.process(Some(entropy), Verdict::NotRecycled, now_us),
             Feedback::Timeout { entropy, max_rtt_us, base_rtt_us, now_us } => {
                 // A failure looks like low RTTs then silence; congestion inflates the RTT first.
                 let gate = base_rtt_us > 0 && (max_rtt_us as u64) * 1000 < self.params.freeze_rtt_permille as u64 * base_rtt_us as u64;
@@ -276,7 +276,7 @@ mod tests {
     fn congested_acks_and_nacks_are_not_recycled() {
         let mut r = reps();
         r.feedback(&ack(3, true, 1));
-        r.feedback(&Feedback::Nack { entropy: 4, now_us: 1 });
+        r.feedback(&Feedback::Nack { entropy: 4, own_path: true, now_us: 1 });
         assert_eq!(r.fresh(), 0);
         assert_eq!(r.cached(), 0);
     }

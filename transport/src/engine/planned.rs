@@ -200,6 +200,17 @@ impl PathPolicy for PlannedPaths {
         Some(e)
     }
 
+    fn allows(&mut self, ctx: &PathCtx, _uplink: Option<u16>, e: u16) -> bool {
+        let (rail, uplink) = self.span_at(ctx);
+        if uplink.is_none() {
+            // Unpinned chunks may be placed anywhere, as before pinning existed.
+            return true;
+        }
+        let (r, local) = self.split(e);
+        let inner = self.rail_ctx(ctx, rail);
+        r == rail as usize && self.rails.get_mut(r).is_some_and(|p| p.allows(&inner, uplink, local))
+    }
+
     fn feedback(&mut self, fb: &Feedback) {
         if let Some(rate) = &self.rate {
             rate.lock().feedback(fb);
@@ -214,7 +225,7 @@ impl PathPolicy for PlannedPaths {
         let (rail, e) = self.split(entropy);
         let local = match *fb {
             Feedback::Ack { rtt_us, congested, bytes, now_us, .. } => Feedback::Ack { entropy: e, rtt_us, congested, bytes, now_us },
-            Feedback::Nack { now_us, .. } => Feedback::Nack { entropy: e, now_us },
+            Feedback::Nack { own_path, now_us, .. } => Feedback::Nack { entropy: e, own_path, now_us },
             Feedback::Timeout { max_rtt_us, base_rtt_us, now_us, .. } => {
                 Feedback::Timeout { entropy: Some(e), max_rtt_us, base_rtt_us, now_us }
             }

@@ -201,10 +201,15 @@ impl Paths {
 
     /// The alive path (other than `avoid`) proven most recently, if any was.
     pub(crate) fn freshest(&self, avoid: Option<u16>) -> Option<u16> {
+        self.freshest_where(avoid, &mut |_| true)
+    }
+
+    /// [`Paths::freshest`] among the entropies `allowed` accepts.
+    pub(crate) fn freshest_where(&self, avoid: Option<u16>, allowed: &mut dyn FnMut(u16) -> bool) -> Option<u16> {
         self.list
             .iter()
             .enumerate()
-            .filter(|&(e, p)| Some(e as u16) != avoid && p.alive())
+            .filter(|&(e, p)| Some(e as u16) != avoid && p.alive() && allowed(e as u16))
             .filter_map(|(e, p)| p.last_ok_sent_at.map(|t| (t, e as u16)))
             .max_by_key(|&(t, _)| t)
             .map(|(_, e)| e)

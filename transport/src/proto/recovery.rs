@@ -492,7 +492,8 @@ impl Connection {
                 } else {
                     self.stats.reorder_losses += 1;
                 }
-                self.paths.push_event(Feedback::Nack { entropy, now_us: now });
+                let own_path = self.paths.get(entropy).delivered_tx_end > tx_seq;
+                self.paths.push_event(Feedback::Nack { entropy, own_path, now_us: now });
                 self.paths.lost(entropy, tx_seq, sent_at, blame, now, &mut self.stats.paths);
             }
             // One timeout writes off every expired packet of its path at once; it counts once, in

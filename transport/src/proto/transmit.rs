@@ -202,10 +202,9 @@ impl Connection {
             // failed link) another copy on one of them tells nothing. It goes on a fit path with
             // nothing in flight, nearest after the policy's choice, so successive probes try
             // different paths and the first that gets through reveals the losses.
-            if let Some(e) = (0..n)
-                .map(|k| (first + k) % n)
-                .find(|&e| Some(e) != avoid && self.paths.get(e).in_flight == 0 && self.paths.fitness(e, episode) == Fitness::Good)
-            {
+            if let Some(e) = self.nearest_after(&ctx, first, &|c: &Self, e| {
+                Some(e) != avoid && c.paths.get(e).in_flight == 0 && c.paths.fitness(e, episode) == Fitness::Good
+            }) {
                 return e;
             }
         }
@@ -216,7 +215,8 @@ impl Connection {
             // lost packet's send time; packets sent after it still crossed before the failure),
             // and the policy's nearest proven path absorbed retransmission after retransmission
             // until its own losses showed.
-            if let Some(e) = self.paths.freshest(avoid) {
+            let Self { policy, paths, .. } = self;
+            if let Some(e) = paths.freshest_where(avoid, &mut |e| policy.allows(&ctx, None, e)).or_else(|| paths.freshest(avoid)) {
                 return e;
             }
         }
@@ -228,20 +228,39 @@ impl Connection {
             return second;
         }
         // The fittest path, nearest after the policy's first choice; never the lost copy's.
+        if let Some(e) =
+            self.nearest_after(&ctx, (first + 1) % n, &|c: &Self, e| Some(e) != avoid && c.fitness_now(e, episode, now) == Fitness::Good)
+        {
+            return e;
+        }
         let mut best: Option<(Fitness, u16)> = None;
         for e in (1..n).map(|k| (first + k) % n).chain([first]) {
             if Some(e) == avoid {
                 continue;
             }
             let f = self.fitness_now(e, episode, now);
-            if f == Fitness::Good {
-                return e;
-            }
             if !matches!(best, Some((bf, _)) if bf <= f) {
                 best = Some((f, e));
             }
         }
         best.map_or(first, |(_, e)| e)
+    }
+
+    /// The first entropy from `start` on (in entropy order, wrapping) that `ok` accepts and the policy
+    /// allows for this chunk (a chunk pinned to an uplink keeps to it), else the first `ok` accepts.
+    fn nearest_after(&mut self, ctx: &PathCtx, start: u16, ok: &dyn Fn(&Self, u16) -> bool) -> Option<u16> {
+        let n = self.cfg.n_paths;
+        let mut other = None;
+        for e in (0..n).map(|k| (start + k) % n) {
+            if !ok(self, e) {
+                continue;
+            }
+            if self.policy.allows(ctx, None, e) {
+                return Some(e);
+            }
+            other.get_or_insert(e);
+        }
+        other
     }
 
     /// How fit path `e` is for a packet now. During a failure episode a proven path whose oldest
