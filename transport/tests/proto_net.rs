@@ -1549,3 +1549,56 @@ fn pro_keeps_its_walk_over_the_live_paths_during_a_failure_episode() {
         assert!(cmax as f64 > 2.0 * cmean, "the comparison no longer piles up ({cmax} vs mean {cmean:.1}): the test tests nothing");
     });
 }
+
+/// Spraying over the entropies of one "uplink" of four (`e % 4 == 2`), as the policy of a chunk the
+/// split layer pinned there (Ethereal) picks; `allows` says so to the transport when `tells` is set.
+struct PinnedSpray {
+    inner: Spray,
+    tells: bool,
+}
+
+impl PathPolicy for PinnedSpray {
+    fn name(&self) -> &'static str {
+        "pinned-spray"
+    }
+    fn pick(&mut self, ctx: &prism_lb::PathCtx) -> u16 {
+        let k = (ctx.n_paths / 4).max(1);
+        let avoid = ctx.avoid.filter(|a| a % 4 == 2).map(|a| a / 4);
+        4 * (self.inner.pick(&prism_lb::PathCtx { n_paths: k, avoid, ..*ctx }) % k) + 2
+    }
+    fn allows(&mut self, _ctx: &prism_lb::PathCtx, _uplink: Option<u16>, e: u16) -> bool {
+        !self.tells || e % 4 == 2
+    }
+}
+
+/// Twelve of the pinned uplink's 16 entropies (of 64) black-holed from `T` under 24 sends of 4 MiB (fewer
+/// than 8 of its paths left, so the episode's PINGs prove other uplinks' paths too): DATA copies (first
+/// ones, retransmissions, probes) queued from `T` on, and how many went on another uplink's entropy.
+fn copies_off_the_pinned_uplink(seed: u64, policy: fn(u64) -> Box<dyn PathPolicy>) -> (usize, usize) {
+    const T: Micros = 2_000;
+    let cfg = ProtoConfig { n_paths: 64, ..ProtoConfig::default() };
+    let l = Link { holes: ((0..12).map(|k| 4 * k + 2).collect(), T, Micros::MAX), ..Link::default() };
+    let mut sim = Sim::with_policy(seed, &cfg, [l.clone(), l], policy);
+    let groups: Vec<Vec<Msg>> = (0..24).map(|i| vec![m(4 * MIB, 4 * MIB, i)]).collect();
+    let posted = post(&mut sim, &groups);
+    sim.run_until(60_000_000, |s| all_done(s, &posted));
+    verify(&sim, &posted);
+    let after: Vec<_> = sim.data_log.iter().filter(|d| d.queued_at >= T).collect();
+    (after.iter().filter(|d| d.entropy % 4 != 2).count(), after.len())
+}
+
+#[test]
+fn a_pinned_chunk_stays_on_its_uplink_through_a_failure_episode() {
+    // A failure episode keeps new packets to proven paths and re-places unfit picks, tail-loss probes
+    // and retransmissions: for a chunk pinned to an uplink, among that uplink's entropies while any of
+    // them will do (`PathPolicy::allows`). Corrected in plain entropy order, they went to the next
+    // entropy, another uplink's, which is what unbalanced Ethereal's uplinks on the rail fabric.
+    seeded(5, |seed| {
+        let (off, all) = copies_off_the_pinned_uplink(seed, |s| Box::new(PinnedSpray { inner: Spray::new(s), tells: true }));
+        let (off_blind, all_blind) = copies_off_the_pinned_uplink(seed, |s| Box::new(PinnedSpray { inner: Spray::new(s), tells: false }));
+        eprintln!("copies off the pinned uplink after the failure: {off} of {all}; without allows: {off_blind} of {all_blind}");
+        assert!(all > 1_000, "too few copies after the failure to judge ({all})");
+        assert_eq!(off, 0, "{off} of {all} copies left the pinned uplink while 4 of its paths worked");
+        assert!(off_blind > 0, "without allows nothing left the uplink either: the test tests nothing");
+    });
+}
