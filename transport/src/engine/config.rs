@@ -51,7 +51,7 @@ pub struct TransportConfig {
     /// `PRISM_UDP_GRO`: receive coalesced datagrams (`UDP_GRO`) where the kernel supports it.
     pub udp_gro: bool,
     /// `PRISM_UDP_TRAIN`: a message's new datagrams go on one entropy this many at a time (one GSO
-    /// train); 1 = each datagram picked on its own.
+    /// train); 1 = each datagram picked on its own; 0 = `auto` (see [`TransportConfig::train_pkts`]).
     pub udp_train: u32,
     /// `PRISM_UDP_SPORT_BASE`: 0 = every UDP socket on an ephemeral port; else rail `r`'s entropy `e`
     /// binds port `base + r * paths + e` (a fabric that routes by source port can then know which
@@ -101,7 +101,7 @@ impl Default for TransportConfig {
             lb_chunk_set: false,
             udp_gso: true,
             udp_gro: true,
-            udp_train: 1,
+            udp_train: 0,
             udp_sport_base: 0,
         }
     }
@@ -233,7 +233,13 @@ impl TransportConfig {
         c.lb_chunk_set = vars.contains_key("PRISM_CHUNK");
         flag(vars, "PRISM_UDP_GSO", &mut c.udp_gso)?;
         flag(vars, "PRISM_UDP_GRO", &mut c.udp_gro)?;
-        num(vars, "PRISM_UDP_TRAIN", 1, 64, &mut c.udp_train)?;
+        match vars.get("PRISM_UDP_TRAIN").map(|v| v.trim()) {
+            Some("auto") => c.udp_train = 0,
+            Some(v) => {
+                num(vars, "PRISM_UDP_TRAIN", 1, 64, &mut c.udp_train).map_err(|_| bad("PRISM_UDP_TRAIN", v, "must be auto or 1-64"))?
+            }
+            None => {}
+        }
         num(vars, "PRISM_UDP_SPORT_BASE", 0, 65_535, &mut c.udp_sport_base)?;
         if c.udp_sport_base != 0 && u32::from(c.udp_sport_base) + u32::from(c.paths) - 1 > 65_535 {
             let v = vars.get("PRISM_UDP_SPORT_BASE").map_or("", String::as_str);
@@ -250,12 +256,28 @@ impl TransportConfig {
         Ok(c)
     }
 
+    /// Datagrams of one GSO train (`PRISM_UDP_TRAIN`) on `rails` rails whose datagrams are up to
+    /// `datagram` bytes (header included). `auto` keeps a full window spread over every path: a window of `W` packets
+    /// over `P` entropies (all rails) holds `W / T` trains of `T`, so `T = W / P` still puts one on
+    /// each path, capped at what one GSO send carries; 1 (each datagram picked on its own) when the
+    /// window is smaller than the paths. Defaults (512 packets, 16 entropies, one rail, 9000-byte
+    /// MTU): 7 datagrams; the emulated rail fabric (16 packets over 128 entropies): 1.
+    pub fn train_pkts(&self, rails: usize, datagram: usize) -> u32 {
+        if self.udp_train != 0 {
+            return self.udp_train;
+        }
+        let paths = u64::from(self.paths) * rails.max(1) as u64;
+        let by_window = u64::from(self.window_pkts) / paths;
+        let by_gso = (crate::backend::udp::MAX_TRAIN_BYTES / datagram.max(1)).min(crate::backend::udp::MAX_TRAIN_SEGMENTS) as u64;
+        by_window.min(by_gso).max(1) as u32
+    }
+
     /// One line for the init log.
     pub fn describe(&self) -> String {
         let ifs = if self.ifnames.is_empty() { "<default route>".to_string() } else { self.ifnames.join(",") };
         let mtu = if self.mtu == 0 { "auto".to_string() } else { self.mtu.to_string() };
         format!(
-            "transport={} ifnames={ifs} ib_hca={} qp={} ib_gid_index={} ib_chunk={} paths={} udp_sport_base={} mtu={mtu} window={} peer_timeout_ms={} stall_timeout_ms={} connect_timeout_ms={} rto_min_us={} sockbuf={} seed={} udp_gso={} udp_gro={}",
+            "transport={} ifnames={ifs} ib_hca={} qp={} ib_gid_index={} ib_chunk={} paths={} udp_sport_base={} mtu={mtu} window={} peer_timeout_ms={} stall_timeout_ms={} connect_timeout_ms={} rto_min_us={} sockbuf={} seed={} udp_gso={} udp_gro={} udp_train={}",
             match self.transport {
                 Transport::Auto => "auto",
                 Transport::Verbs => "verbs",
@@ -269,7 +291,8 @@ impl TransportConfig {
             self.ib_gid_index.map_or("auto".to_string(), |g| g.to_string()),
             self.ib_chunk,
             self.paths, self.udp_sport_base, self.window_pkts, self.peer_timeout_ms, self.stall_timeout_ms, self.connect_timeout_ms, self.rto_min_us, self.sockbuf, self.seed,
-            u8::from(self.udp_gso), u8::from(self.udp_gro)
+            u8::from(self.udp_gso), u8::from(self.udp_gro),
+            if self.udp_train == 0 { "auto".to_string() } else { self.udp_train.to_string() }
         )
     }
 }
@@ -301,6 +324,31 @@ mod tests {
         assert!(!c.udp_gso && !c.udp_gro);
         let e = TransportConfig::from_vars(&vars(&[("PRISM_UDP_GRO", "yes")])).unwrap_err().to_string();
         assert_eq!(e, "PRISM_UDP_GRO=yes: must be 0 or 1");
+    }
+
+    #[test]
+    fn udp_train_is_auto_or_a_count_and_auto_keeps_a_window_on_every_path() {
+        let c = TransportConfig::default();
+        assert_eq!(c.udp_train, 0);
+        // 512 packets over 16 entropies: 32 per path, capped at 7 datagrams of 8,972 bytes (one GSO send).
+        assert_eq!(c.train_pkts(1, 8972), 7);
+        // 1,472-byte datagrams (1500 MTU): the window is the cap, 512 / 16.
+        assert_eq!(c.train_pkts(1, 1472), 32);
+        // 4 rails: 512 / 64.
+        assert_eq!(c.train_pkts(4, 1472), 8);
+        // The emulated rail fabric: 16 packets over 128 entropies, one datagram at a time.
+        let fabric = TransportConfig::from_vars(&vars(&[("PRISM_WINDOW", "16"), ("PRISM_PATHS", "128")])).unwrap();
+        assert_eq!(fabric.train_pkts(1, 1472), 1);
+        // Small payloads: at most 64 segments.
+        let c = TransportConfig::from_vars(&vars(&[("PRISM_WINDOW", "4096"), ("PRISM_PATHS", "1")])).unwrap();
+        assert_eq!(c.train_pkts(1, 256), 64);
+        let c = TransportConfig::from_vars(&vars(&[("PRISM_UDP_TRAIN", "3")])).unwrap();
+        assert_eq!(c.train_pkts(1, 8972), 3);
+        assert_eq!(TransportConfig::from_vars(&vars(&[("PRISM_UDP_TRAIN", "auto")])).unwrap().udp_train, 0);
+        for v in ["0", "65", "seven"] {
+            let e = TransportConfig::from_vars(&vars(&[("PRISM_UDP_TRAIN", v)])).unwrap_err().to_string();
+            assert_eq!(e, format!("PRISM_UDP_TRAIN={v}: must be auto or 1-64"));
+        }
     }
 
     #[test]

@@ -73,7 +73,10 @@ impl NetInner {
         // UDP with GSO: runs of `PRISM_UDP_TRAIN` datagrams per entropy (verbs packets are whole
         // 64 KiB WRITEs already, and without GSO a run saves nothing).
         let train = match self.rails.first().and_then(|r| r.backend.udp()) {
-            Some(u) if u.gso() && self.cfg.udp_train > 1 => u64::from(self.cfg.udp_train) * self.proto.max_payload as u64,
+            Some(u) if u.gso() => match self.cfg.train_pkts(self.rails.len(), self.proto.max_payload + crate::wire::MAX_HEADER_LEN) {
+                1 => 0,
+                n => u64::from(n) * self.proto.max_payload as u64,
+            },
             _ => 0,
         };
         let policy = PlannedPaths::new(&self.lb_rt, peer_host as usize, self.rails.len() as u16, self.cfg.paths, home, seed, plans.clone())
