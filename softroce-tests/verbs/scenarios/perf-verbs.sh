@@ -47,6 +47,25 @@ ib_run() {
   IB_RCS="client rc=$_ib_crc server rc=$_ib_src"
 }
 
+# verbs_work PREFIX STATS0 STATS1: verbs work per MiB of data, both ranks' comms summed (each comm's
+# `verbs.totals` in PRISM_STATS): send WQEs, send doorbells and send completions per MiB written, receive
+# completions and receive doorbells per MiB placed; control packets included. Reported as
+# PREFIX_wqes_per_MiB etc.; VERBS_WORK holds "wqes doorbells send_cqes recv_cqes recv_doorbells writes
+# write_bytes".
+verbs_work() {
+  VERBS_WORK=$(cat "$2" "$3" 2>/dev/null | jq -rs '
+    [.[] | .. | objects | select(has("verbs")) | .verbs.totals? | select(. != null)] as $t
+    | def s(k): $t | map(.[k] // 0) | add // 0;
+      def per(n; b): if b > 0 then n * 1048576 / b * 100 | round / 100 else "null" end;
+      "\(per(s("wqes"); s("write_bytes"))) \(per(s("doorbells"); s("write_bytes"))) \(per(s("send_cqes"); s("write_bytes"))) \(per(s("recv_cqes"); s("recv_write_bytes"))) \(per(s("recv_doorbells"); s("recv_write_bytes"))) \(s("writes")) \(s("write_bytes"))"')
+  _vw_prefix=$1
+  # shellcheck disable=SC2086
+  set -- $VERBS_WORK
+  metric "${_vw_prefix}_wqes_per_MiB" "${1:-null}"; metric "${_vw_prefix}_doorbells_per_MiB" "${2:-null}"
+  metric "${_vw_prefix}_send_cqes_per_MiB" "${3:-null}"; metric "${_vw_prefix}_recv_cqes_per_MiB" "${4:-null}"
+  metric "${_vw_prefix}_recv_doorbells_per_MiB" "${5:-null}"
+}
+
 # rxe_counters: every hw counter of rxe0 and rxe1 and the veth pair's drop counters, one "name value" per
 # line (for the deltas around a run: where packets were lost, if any were).
 rxe_counters() {
@@ -83,18 +102,9 @@ metric_str rxe_counters_all_reduce "$(counter_deltas /tmp/counters-before /tmp/c
 check_perf prism "$OUT/perf.rank0.json" "$NSIZES"
 check_backend prism "$OUT/perf.rank0.json.rank0.stats.json" "$OUT/perf.rank1.json.rank1.stats.json"
 if [ "$TRANSPORT" = verbs ]; then
-  # Verbs work per MiB of data, both ranks' comms summed (each comm's `verbs.totals` in PRISM_STATS):
-  # send WQEs, send doorbells and send completions per MiB written, receive completions and receive
-  # doorbells per MiB placed; control packets included.
-  work=$(cat "$OUT/perf.rank0.json.rank0.stats.json" "$OUT/perf.rank1.json.rank1.stats.json" 2>/dev/null | jq -rs '
-    [.[] | .. | objects | select(has("verbs")) | .verbs.totals? | select(. != null)] as $t
-    | def s(k): $t | map(.[k] // 0) | add // 0;
-      def per(n; b): if b > 0 then n * 1048576 / b * 100 | round / 100 else "null" end;
-      "\(per(s("wqes"); s("write_bytes"))) \(per(s("doorbells"); s("write_bytes"))) \(per(s("send_cqes"); s("write_bytes"))) \(per(s("recv_cqes"); s("recv_write_bytes"))) \(per(s("recv_doorbells"); s("recv_write_bytes"))) \(s("writes")) \(s("write_bytes"))"')
-  set -- $work
-  metric verbs_wqes_per_MiB "${1:-null}"; metric verbs_doorbells_per_MiB "${2:-null}"
-  metric verbs_send_cqes_per_MiB "${3:-null}"; metric verbs_recv_cqes_per_MiB "${4:-null}"
-  metric verbs_recv_doorbells_per_MiB "${5:-null}"
+  verbs_work verbs "$OUT/perf.rank0.json.rank0.stats.json" "$OUT/perf.rank1.json.rank1.stats.json"
+  # shellcheck disable=SC2086
+  set -- $VERBS_WORK
   # Consumed receive slots go back in chains of 16 (REPOST_BATCH): one receive doorbell per 16
   # receive completions, however slowly they come (one per completion before: 17.7-23.5 per MiB).
   awk -v d="${5:-null}" -v c="${4:-null}" 'BEGIN { exit !(d != "null" && c != "null" && d <= c / 16 + 0.5) }'
@@ -167,6 +177,9 @@ run_two_ranks oneway "$(prism_env rxe0 va)" "$(prism_env rxe1 vb)" oneway $SIZES
 [ "$RC0" -eq 0 ] && [ "$RC1" -eq 0 ]; check prism_oneway_exit_0 $? "rank 0 rc=$RC0, rank 1 rc=$RC1"
 check_perf prism_oneway "$OUT/oneway.rank0.json" "$NSIZES"
 cp /tmp/rows /tmp/rows-oneway
+# The same work figures for one-way traffic (all sizes): no reverse data, so every control packet in
+# it is protocol overhead on the data (CTS and descriptors per message, SACKs).
+[ "$TRANSPORT" = verbs ] && verbs_work verbs_oneway "$OUT/oneway.rank0.json.rank0.stats.json" "$OUT/oneway.rank1.json.rank1.stats.json"
 # -n counts per QP: the same bytes in all as the one-QP run.
 nq=$((IB_ITERS / 16))
 ib_run ib-q16 18602 $((16 * nq * 65536)) -q 16 -n "$nq"
@@ -199,6 +212,7 @@ for r in $(seq 1 "$ROUNDS"); do
   check "prism_oneway_round${r}_ok" $? "rank 0 rc=$RC0, rank 1 rc=$RC1, $largest: ${rows:-no row}"
   pb=$(awk -v b="${3:-0}" 'BEGIN { printf "%.2f", b * 1000 }')
   metric "prism_oneway_busbw_MBps_round$r" "$pb"
+  [ "$TRANSPORT" = verbs ] && verbs_work "verbs_oneway_round$r" "$OUT/oneway-round$r.rank0.json.rank0.stats.json" "$OUT/oneway-round$r.rank1.json.rank1.stats.json"
   if is_pos "$ibr" && is_pos "$pb"; then
     rr=$(awk -v b="$pb" -v i="$ibr" 'BEGIN { printf "%.3f", b / i }')
     metric "ratio_oneway_vs_ib_write_bw_round$r" "$rr"
