@@ -353,9 +353,9 @@ impl Connection {
             Arrival::New => {}
         }
         let completions = self.completions.len();
-        if !self.accept_data(d, payload, placer) {
+        let Some(ended_msg) = self.accept_data(d, payload, placer) else {
             return;
-        }
+        };
         self.rx.data_at = now;
         let end_before = self.rx.window.end();
         self.rx.window.insert(d.psn);
@@ -365,51 +365,62 @@ impl Connection {
         rx.congested |= d.ce;
         rx.unsacked += 1;
         // A new hole or a filled one changes what the sender must retransmit: report at once
-        // (unless holes are normal here, `reliable_paths`). So does a message's last packet, and
-        // the packet that completes a receive: a send completes only when acknowledged, and nothing
-        // after it may come to trigger a SACK (a one-packet message waited out the delay, on a
-        // driver that progresses an idle comm only now and then up to a millisecond).
+        // (unless holes are normal here, `reliable_paths`). So does the packet that completes a
+        // message or a receive: a send completes only when acknowledged, and nothing after it may
+        // come to trigger a SACK (a one-packet message waited out the delay, on a driver that
+        // progresses an idle comm only now and then up to a millisecond). On lossy paths also a
+        // message's last packet when earlier ones are missing (they may be lost at the tail); over
+        // reliable paths they are on their way on other paths, and acknowledging both the last
+        // packet and the one that completes the message made two SACKs of most 512 KiB receives.
         let reordered = !self.cfg.reliable_paths && d.psn != end_before;
-        let tail = d.offset.saturating_add(u64::from(d.len)) >= d.total_len || self.completions.len() > completions;
+        let last = !self.cfg.reliable_paths && d.offset.saturating_add(u64::from(d.len)) >= d.total_len;
+        let tail = ended_msg || last || self.completions.len() > completions;
         if reordered || tail || rx.unsacked >= self.cfg.sack_every_pkts {
             rx.sack_due = true;
         } else if rx.sack_deadline.is_none() {
             // Over reliable paths a SACK releases window and gives an RTT sample, nothing more
-            // urgent (the last packet of a receive is acknowledged at once): wait up to half a round
-            // trip for `sack_every_pkts` packets. On a slow link (Soft-RoCE in a VM: a 64 KiB packet
-            // every 2.5 ms) the fixed delay acknowledged every packet. The sample stays honest: the
-            // SACK echoes the latest packet.
+            // urgent (the last packet of a receive is acknowledged at once): wait up to a round
+            // trip for `sack_every_pkts` packets, half of one when the window holds fewer than two
+            // such batches (then the window, not the count, may be what stops the sender). On a
+            // slow link (Soft-RoCE in a VM: a 64 KiB packet every 2.5 ms) the fixed delay
+            // acknowledged every packet, and half an SRTT (47 ms there, a 512 KiB receive taking
+            // 25 ms) added a SACK to nearly every receive: 2.2 per receive, 4.4 WQEs per MiB. The
+            // sample stays honest: the SACK echoes the latest packet.
             let delay = match self.ctl_rtt.srtt_us() {
-                Some(srtt) if self.cfg.reliable_paths => self.cfg.sack_delay_us.max(srtt / 2),
+                Some(srtt) if self.cfg.reliable_paths => {
+                    let ample = self.cfg.window_pkts >= 2 * self.cfg.sack_every_pkts;
+                    self.cfg.sack_delay_us.max(if ample { srtt } else { srtt / 2 })
+                }
                 _ => self.cfg.sack_delay_us,
             };
             rx.sack_deadline = Some(now.saturating_add(delay));
         }
     }
 
-    /// Validate a new DATA packet against its receive and place its payload. False: dropped and
-    /// counted, PSN not marked (a correct sender never sends such a packet).
-    fn accept_data(&mut self, d: &DataRepr, payload: Option<&[u8]>, placer: &mut dyn Placer) -> bool {
+    /// Validate a new DATA packet against its receive and place its payload: whether it ended its
+    /// message (its last missing byte, or a truncation). None: dropped and counted, PSN not marked
+    /// (a correct sender never sends such a packet).
+    fn accept_data(&mut self, d: &DataRepr, payload: Option<&[u8]>, placer: &mut dyn Placer) -> Option<bool> {
         let Some(gi) = self.rx.group_index(d.cts_seq) else {
             self.stats.dropped.unknown_msg += 1;
             tracing::debug!(cts_seq = d.cts_seq, psn = d.psn, "DATA for a receive that is not outstanding");
-            return false;
+            return None;
         };
         let group = &mut self.rx.groups[gi];
         let Some(sub) = group.subs.get_mut(d.sub as usize) else {
             self.stats.dropped.bad_offset_len += 1;
-            return false;
+            return None;
         };
         if sub.end != SubEnd::Open {
             self.stats.dropped.unknown_msg += 1;
-            return false;
+            return None;
         }
         let was_started = sub.started();
         let size = sub.spec.len;
         if d.trunc {
             if d.total_len <= size {
                 self.stats.dropped.malformed += 1;
-                return false;
+                return None;
             }
             sub.end = SubEnd::Truncated { send_len: d.total_len };
         } else {
@@ -420,12 +431,12 @@ impl Connection {
             if !consistent || !fits || !len_ok {
                 self.stats.dropped.bad_offset_len += 1;
                 tracing::debug!(offset = d.offset, len = d.len, total = d.total_len, posted = size, "DATA outside the posted buffer");
-                return false;
+                return None;
             }
             if sub.got.overlaps(d.offset, end) {
                 self.stats.dropped.overlapping += 1;
                 tracing::debug!(psn = d.psn, offset = d.offset, len = d.len, "DATA overlaps bytes already received: forged or corrupted");
-                return false;
+                return None;
             }
             if let Some(p) = payload.filter(|p| !p.is_empty()) {
                 placer.place(group.id, d.sub as usize, d.offset, p);
@@ -443,7 +454,8 @@ impl Connection {
             (true, false) => self.rx.started_subs -= 1,
             _ => {}
         }
-        if sub.end != SubEnd::Open && group.subs.iter().all(|s| s.end != SubEnd::Open) {
+        let ended = sub.end != SubEnd::Open;
+        if ended && group.subs.iter().all(|s| s.end != SubEnd::Open) {
             let group = self.rx.groups.remove(gi).expect("index from group_index");
             let truncated = group.subs.iter().find_map(|s| match s.end {
                 SubEnd::Truncated { send_len } => Some(MsgError::Truncated { send_len, recv_len: s.spec.len }),
@@ -454,7 +466,7 @@ impl Connection {
                 None => Completion::Received { msg: group.id, sizes: group.subs.iter().map(|s| s.total.unwrap_or(0)).collect() },
             });
         }
-        true
+        Some(ended)
     }
 
     /// When the delayed SACK is due.
