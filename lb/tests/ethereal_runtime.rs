@@ -75,6 +75,35 @@ fn a_batch_has_the_sub_flow_count_of_algorithm_1() {
 }
 
 #[test]
+fn a_connections_messages_in_one_batch_are_one_flow_whose_uplinks_every_message_uses() {
+    // Two connections post 4 messages of F each in one batch. Proto sends a connection's messages one
+    // after the other, so Algorithm 1's flows are the two connections (2 flows of 4F over 4 uplinks:
+    // each cut into 2 pieces, on 2 uplinks of its own), and every message of a connection is cut the
+    // same way, so the connection uses both its uplinks all the time. (Planned as 8 flows of F, 2
+    // whole messages went on each uplink, and a connection crossed one uplink at a time.)
+    let rt = runtime(4, PathKind::Spray);
+    let reqs: Vec<SendReq> = (0..8).map(|i| SendReq { dst_host: 1 + i % 2, len: F, flow: 100 + (i % 2) as u64, home_rail: 0 }).collect();
+    let plans = rt.plan_batch(&reqs, 0).unwrap();
+    let mut per_conn: BTreeMap<u64, Vec<Vec<u16>>> = BTreeMap::new();
+    for (r, p) in reqs.iter().zip(&plans) {
+        let mut ups: Vec<u16> = p.chunks.iter().map(|c| c.uplink.expect("remote chunks are pinned")).collect();
+        ups.sort_unstable();
+        ups.dedup();
+        per_conn.entry(r.flow).or_default().push(ups);
+    }
+    let sets: Vec<&Vec<u16>> = per_conn
+        .values()
+        .map(|msgs| {
+            assert!(msgs.iter().all(|u| u == &msgs[0]), "a connection's messages on different uplinks: {msgs:?}");
+            &msgs[0]
+        })
+        .collect();
+    assert_eq!(sets.iter().map(|u| u.len()).collect::<Vec<_>>(), vec![2, 2], "each flow in s/g = 2 pieces: {sets:?}");
+    assert!(sets[0].iter().all(|u| !sets[1].contains(u)), "the two flows share an uplink: {sets:?}");
+    assert_eq!(bytes_per_uplink(&plans, 4), vec![2 * F; 4]);
+}
+
+#[test]
 fn messages_of_two_sizes_to_one_leaf_still_load_every_uplink_equally() {
     // Size classes: 5 flows of 1 MiB and 3 of 256 KiB over 4 uplinks.
     let rt = runtime(4, PathKind::Spray);

@@ -5,8 +5,10 @@
 //!
 //! Readings: the split count is Algorithm 1's s/g, not §3.2's "r/g subflows" typo (digest §2.3, pitfall
 //! 1). Flows of unequal size (pitfall 4) are grouped by size and Algorithm 1 runs per size class, which
-//! keeps every uplink's share exact. A "flow" is the part of one message that the rail layer put on one
-//! rail. Bad-path marks are keyed by (rail, uplink), the paper's per-host path id (pitfall 6), and expire
+//! keeps every uplink's share exact. A "flow" is what one connection sends on one rail in a batch (its
+//! messages' parts the rail layer put there): proto serves a connection's messages one after the other,
+//! so they are one long-lived flow as in the paper, and a split flow cuts each of its messages into its
+//! pieces. Bad-path marks are keyed by (rail, uplink), the paper's per-host path id (pitfall 6), and expire
 //! after `PRISM_ETHEREAL_RESET_US`; new batches use only good uplinks (all of them if none is good). The
 //! unspecified knobs (batch window, start jitter, reset timer) are parameters; their defaults are ours.
 

@@ -48,6 +48,9 @@ pub(crate) struct SplitEnv<'a> {
     pub params: &'a EtherealParams,
 }
 
+/// One connection's portions on one rail: (`SendReq::flow`, rail).
+type FlowKey = (u64, u16);
+
 /// How one (message, rail) portion is cut: the uplink of each piece (in piece order) and its start delay.
 struct Pieces {
     uplinks: Vec<Option<u16>>,
@@ -83,8 +86,18 @@ pub(crate) fn split(kind: SplitKind, env: SplitEnv<'_>, reqs: &[SendReq], rc: &[
     let bytes = |p: &[(u64, u32)]| p.iter().map(|r| r.1 as u64).sum::<u64>();
 
     let mut cuts: Vec<Option<Pieces>> = (0..portions.len()).map(|_| None).collect();
-    // Groups of equal-size remote portions per (rail, destination leaf, size), in a deterministic order.
-    let mut groups: BTreeMap<(u16, u32, u64), Vec<usize>> = BTreeMap::new();
+    // Ethereal's flows: a connection's portions on one rail (`SendReq::flow`, in message order). Proto
+    // serves a connection's messages one after the other within one window, so the messages of one
+    // connection in a batch are one flow that runs concurrently with the other connections' flows (the
+    // paper's flows are long-lived connections), not separate flows: a whole flow puts every message
+    // of it on its uplink, a split flow cuts every message of it into its pieces, so the connection
+    // uses all of its uplinks at once. (Planned per message, 8 messages of one connection over 4
+    // uplinks went 2 per uplink, one uplink at a time, and the 5 flows of the rail fabric's Ethereal
+    // scenario collided on some uplinks while others idled: CCT 2x the bound.)
+    let mut flows: BTreeMap<FlowKey, Vec<usize>> = BTreeMap::new();
+    // Groups of equal-size remote flows per (rail, destination leaf, size), in a deterministic order
+    // (by each flow's first portion).
+    let mut groups: BTreeMap<(u16, u32, u64), Vec<(usize, FlowKey)>> = BTreeMap::new();
     for (i, p) in portions.iter().enumerate() {
         if p.is_empty() {
             continue;
@@ -98,7 +111,7 @@ pub(crate) fn split(kind: SplitKind, env: SplitEnv<'_>, reqs: &[SendReq], rc: &[
         };
         let s = my_leaf.map(|l| env.topo.leaf(l).uplinks).unwrap_or(1);
         match kind {
-            SplitKind::Ethereal if remote => groups.entry((rail, dst_leaf.unwrap_or(0), bytes(p))).or_default().push(i),
+            SplitKind::Ethereal if remote => flows.entry((reqs[m].flow, rail)).or_default().push(i),
             SplitKind::Fixed(k) => {
                 let k = (k.max(1) as u64).min(bytes(p)) as usize;
                 let uplinks = if remote { fixed_uplinks(k, s, env.rng).into_iter().map(Some).collect() } else { vec![None; k] };
@@ -108,15 +121,25 @@ pub(crate) fn split(kind: SplitKind, env: SplitEnv<'_>, reqs: &[SendReq], rc: &[
             _ => cuts[i] = Some(Pieces { uplinks: vec![None], jitter_us: vec![0] }),
         }
     }
-    for ((rail, _leaf, _size), members) in groups {
+    for (&key, members) in &flows {
+        let first = members[0];
+        let (m, rail) = (first / nr, (first % nr) as u16);
+        let dst_leaf = env.topo.leaf_of(reqs[m].dst_host, rail).unwrap_or(0);
+        let size: u64 = members.iter().map(|&i| bytes(&portions[i])).sum();
+        groups.entry((rail, dst_leaf, size)).or_default().push((first, key));
+    }
+    for ((rail, _leaf, _size), mut members) in groups {
+        members.sort_unstable();
         let my_leaf = env.topo.leaf_of(env.host, rail).unwrap_or(0);
         let s = env.topo.leaf(my_leaf).uplinks;
         let good = env.bad.good_uplinks(rail, s, env.now_us);
         let start = env.rng.gen_range(0..good.len());
         let assigned = assign_flows(members.len(), &good, start);
-        for (i, ups) in members.into_iter().zip(assigned) {
-            let jitter_us = ups.iter().map(|_| env.rng.gen_range(0..=env.params.jitter_us)).collect();
-            cuts[i] = Some(Pieces { uplinks: ups.into_iter().map(Some).collect(), jitter_us });
+        for ((_, key), ups) in members.into_iter().zip(assigned) {
+            for &i in &flows[&key] {
+                let jitter_us = ups.iter().map(|_| env.rng.gen_range(0..=env.params.jitter_us)).collect();
+                cuts[i] = Some(Pieces { uplinks: ups.iter().copied().map(Some).collect(), jitter_us });
+            }
         }
     }
 
