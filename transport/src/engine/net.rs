@@ -155,7 +155,7 @@ impl Net {
         if rails.len() > MAX_RAILS {
             return Err(TransportError::Config(format!("PRISM_IFNAMES: {} rails, at most {MAX_RAILS}", rails.len())));
         }
-        let (lb_rt, host_id) = lb_runtime(&cfg, &lb, &rails)?;
+        let (lb_rt, host_id, seed) = lb_runtime(&cfg, &lb, &rails)?;
         let verbs = rails.iter().any(|r| r.backend.verbs().is_some());
         let proto = proto_config(&cfg, rails.len(), verbs, min_dgram);
         tracing::info!("load balancing: {} (host id {host_id})", lb.describe());
@@ -171,6 +171,7 @@ impl Net {
             start: Instant::now(),
             rails,
             closed: Mutex::new(Default::default()),
+            seed,
             seeds: AtomicU64::new(0),
             progress: Progress::default(),
             board: super::board::PathBoard::default(),
@@ -269,8 +270,8 @@ impl Net {
     }
 }
 
-/// The lb runtime of this process, and this host's id in its topology.
-fn lb_runtime(cfg: &TransportConfig, lb: &prism_lb::LbConfig, rails: &[Arc<Rail>]) -> Result<(LbRuntime, u32), TransportError> {
+/// The lb runtime of this process, this host's id in its topology and the process's seed (0: none).
+fn lb_runtime(cfg: &TransportConfig, lb: &prism_lb::LbConfig, rails: &[Arc<Rail>]) -> Result<(LbRuntime, u32, u64), TransportError> {
     let n = rails.len() as u16;
     let topo = match &lb.topo_path {
         None => Topology::single_leaf(n),
@@ -302,9 +303,27 @@ fn lb_runtime(cfg: &TransportConfig, lb: &prism_lb::LbConfig, rails: &[Arc<Rail>
             std::net::IpAddr::V6(_) => 0,
         }
     };
-    let seed = if cfg.seed == 0 { rand::random() } else { cfg.seed };
+    let addr = match rails.first().map(|r| r.info.addr) {
+        Some(std::net::IpAddr::V4(a)) => u32::from(a),
+        _ => 0,
+    };
+    let process_seed = process_seed(cfg.seed, host_id, addr);
+    let seed = if process_seed == 0 { rand::random() } else { process_seed };
     let rt = lb.runtime(topo, host_id as usize, seed).map_err(|e| TransportError::Config(format!("load balancing: {e}")))?;
-    Ok((rt, host_id))
+    Ok((rt, host_id, process_seed))
+}
+
+/// This process's seed from `PRISM_SEED` (0: none, every choice random), its host id and its first
+/// rail's address: reproducible from run to run, different from host to host. Every process used
+/// `PRISM_SEED` itself before, so with it set every host drew the same "random" choices at the same
+/// moments (Ethereal's start uplink and sub-flow order, PRO's start without a topology, DR's rotation,
+/// each connection's spraying sequence), which on a fabric routed by source port lined their choices
+/// up; the simulator has always mixed the host into each host's seed.
+fn process_seed(seed: u64, host_id: u32, addr: u32) -> u64 {
+    if seed == 0 {
+        return 0;
+    }
+    prism_lb::splitmix64(seed ^ prism_lb::splitmix64((u64::from(host_id) << 32) | u64::from(addr))).max(1)
 }
 
 /// The protocol configuration of every connection of a `Net` with `n_rails` rails whose smallest
@@ -345,6 +364,17 @@ fn proto_config(cfg: &TransportConfig, n_rails: usize, verbs: bool, min_dgram: u
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_seed_is_reproducible_per_process_but_differs_between_hosts() {
+        assert_eq!(process_seed(0, 3, 0x0a00_0001), 0, "no PRISM_SEED: random choices");
+        let a = process_seed(7, 0, 0x0a64_0002);
+        assert_eq!(a, process_seed(7, 0, 0x0a64_0002));
+        assert_ne!(a, 0);
+        assert_ne!(a, process_seed(7, 1, 0x0a65_0102), "two hosts of one topology");
+        assert_ne!(a, process_seed(7, 0, 0x0a65_0102), "two processes of one host on different rails");
+        assert_ne!(a, process_seed(8, 0, 0x0a64_0002));
+    }
 
     /// The engine's protocol configuration never needs the per-connection correction (which logs a
     /// WARN on every comm): with the defaults, at every bound of every variable it is built from, on

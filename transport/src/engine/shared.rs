@@ -34,6 +34,8 @@ pub(crate) struct NetInner {
     pub(super) start: Instant,
     pub rails: Vec<Arc<Rail>>,
     pub(super) closed: Mutex<ClosedComms>,
+    /// This process's seed (`PRISM_SEED` mixed with the host, see `net::process_seed`; 0: random).
+    pub(super) seed: u64,
     pub(super) seeds: AtomicU64,
     pub progress: Progress,
     /// Path knowledge shared by the comms that talk to the same peer rail.
@@ -57,12 +59,12 @@ impl NetInner {
     /// A seed for one connection's random choices: reproducible under `PRISM_SEED`.
     pub(super) fn conn_seed(&self) -> u64 {
         let n = self.seeds.fetch_add(1, Ordering::Relaxed);
-        if self.cfg.seed == 0 {
+        if self.seed == 0 {
             rand::random()
         } else {
             // The n-th output of a splitmix64 generator seeded with the base: distinct, well-mixed seeds.
             use prism_lb::hash::SPLITMIX64_GAMMA;
-            prism_lb::splitmix64(self.cfg.seed.wrapping_add(n.wrapping_mul(SPLITMIX64_GAMMA)).wrapping_sub(SPLITMIX64_GAMMA))
+            prism_lb::splitmix64(self.seed.wrapping_add(n.wrapping_mul(SPLITMIX64_GAMMA)).wrapping_sub(SPLITMIX64_GAMMA))
         }
     }
 
