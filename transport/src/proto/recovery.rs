@@ -657,12 +657,16 @@ impl Connection {
                     self.tx.is_live(f.tx_seq, f.psn) && f.sent_at <= sent_at.saturating_add(rto) && Some(f.tx_seq) != probe
                 })
             });
-        // (After, not at: packets handed over at the same instant leave as one batch, queued one
-        // behind the other, and one of them delivered does not prove this one overdue. Blaming
-        // batch mates too made the fault-free rail fabric's PRO CCT 1.21-1.28x its bound instead
-        // of 1.10-1.16x: congestion losses started failure episodes that confined new packets to
-        // a few proven paths.)
-        let blame = sent_at >= self.tx.exempt_before && (self.tx.acked_sent_at > sent_at || !others_stuck);
+        // "After" in sending order: a packet handed over with this one but queued behind it counts
+        // (the time-based rule, which runs long before an RTO, must not count it: a batch drains
+        // one packet after the other, grouped by path). Without it, an application-limited
+        // connection, which sends a message as one batch and nothing until it completes, held no
+        // loss revealed by a timeout against its path, never began a failure episode, and sprayed
+        // every later batch into a failed spine as well (`proto_net`'s
+        // `an_application_limited_connection_leaves_a_failed_spine_within_three_rtts`). (An earlier
+        // build that blamed every batch mate, queued before or after, made the fault-free rail
+        // fabric's PRO CCT 1.21-1.28x its bound; with this rule 1.04-1.10x in 6 runs.)
+        let blame = sent_at >= self.tx.exempt_before && (self.tx.acked_tx_end > tx_seq || !others_stuck);
         if self.ctl_rtt.srtt_us().is_none() && !matches!(self.tx.unsampled_backoff_at, Some(t) if sent_at < t) {
             // No RTT measured yet and a packet timed out: the initial RTO is too short for this
             // network, so back off what paths not yet measured inherit, once per round (RFC 6298 5.5).
