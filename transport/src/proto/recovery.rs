@@ -13,7 +13,8 @@
 //! grows by one whenever a loss turns out spurious and falls back to one after 16 SRTTs without
 //! that), whichever is larger, never above 4 SRTTs. Overtaken only by packets on other paths
 //! (sprayed paths differ in RTT), its path is suspect after the larger of the reference RTT and the
-//! connection's SRTT + 4 RTTVAR, and it is lost after twice that, plus RFC 8985's window. A timer
+//! path's SRTT + 2 RTTVAR, and it is lost after the larger of the reference RTT and twice the
+//! connection's (or the path's) SRTT + 4 RTTVAR, plus RFC 8985's window. A timer
 //! fires at the earliest such deadline, so a loss is found about one RTT and a window after it left,
 //! whatever the RTO.
 //!
@@ -49,6 +50,14 @@ use crate::wire::SackRepr;
 /// An RTT this far above the path's base RTT (in addition to doubling it) counts as congestion when
 /// the receiver did not report any: the delay-based verdict REPS needs on networks without ECN.
 const DELAY_CONGESTION_SLACK_US: u64 = 50;
+
+/// RTT variations above its path's smoothed RTT (the connection's while the path has no sample)
+/// after which a packet overtaken only on other paths makes its path suspect. Half of the RTO's
+/// four: on the rail fabric, whose loaded RTTs swing from 10 to 70 ms, the RTO's margin let a
+/// failed spine's paths be suspected only 2-3 RTTs after the fault (bytes off the dead path after
+/// 1.5-3.9 RTTs under PRO and DR); with two, 0.6-2.1. (None made the fault-free runs slower; in the
+/// simulator's fat tree it also moves random spraying's packets off queues that overflow.)
+const SUSPECT_RTTVARS: u64 = 2;
 
 /// Smallest reordering window, µs: the clock's granularity.
 const REO_WND_MIN_US: u64 = 1;
@@ -339,11 +348,13 @@ impl Connection {
     /// at once sees RTTs from one to a thousand times the minimum in every burst, all from its own
     /// queue). The count rule waits for the path's usual RTT (SRTT + 4 RTTVAR) at least.
     ///
-    /// When only packets on other paths overtook it, the spread of every path's RTT (the
-    /// connection's SRTT + 4 RTTVAR) plus the window `reo.0` marks its path suspect (avoided by new
-    /// packets: cheap if wrong), and twice that declares it lost (a retransmission: costly if wrong,
-    /// and queueing spreads sprayed paths' RTTs further than any estimate shows; the fault-free
-    /// 128-host fat tree of seed 000 otherwise resent ~900 packets per run that were not lost).
+    /// When only packets on other paths overtook it, its path's usual RTT (SRTT + 2 RTTVAR, the
+    /// connection's while the path has no sample) plus the window `reo.0` marks the path suspect
+    /// (avoided by new packets: cheap if wrong), and twice the spread of every path's RTT (the
+    /// larger of the path's and the connection's SRTT + 4 RTTVAR) declares it lost (a
+    /// retransmission: costly if wrong, and queueing spreads sprayed paths' RTTs further than any
+    /// estimate shows; the fault-free 128-host fat tree of seed 000 otherwise resent ~900 packets
+    /// per run that were not lost).
     fn expected_at(&self, rec: &SentPkt, reo: (Micros, Micros)) -> (Micros, Micros, Micros) {
         let path = self.paths.get(rec.entropy);
         let conn = self.ctl_rtt.expected_us().unwrap_or(0);
@@ -356,7 +367,8 @@ impl Connection {
         } else {
             let spread = own.max(conn);
             let lost = rec.sent_at.saturating_add(rack.max(2 * spread));
-            (rec.sent_at.saturating_add(rack.max(spread)).saturating_add(reo.0), lost.saturating_add(reo.0), lost)
+            let typical = path.rtt.srtt_plus_var_us(SUSPECT_RTTVARS).or(self.ctl_rtt.srtt_plus_var_us(SUSPECT_RTTVARS)).unwrap_or(spread);
+            (rec.sent_at.saturating_add(rack.max(typical)).saturating_add(reo.0), lost.saturating_add(reo.0), lost)
         }
     }
 

@@ -67,6 +67,11 @@ impl RttEstimator {
         self.srtt_us
     }
 
+    /// SRTT plus `k` RTT variations, if any sample was taken.
+    pub(crate) fn srtt_plus_var_us(&self, k: u64) -> Option<u64> {
+        self.srtt_us.map(|s| s + k * self.rttvar_us)
+    }
+
     /// When a packet sent now should have arrived at the latest, by this estimate alone: SRTT plus
     /// four RTT variations (the RTO without floor, ceiling or backoff), if any sample was taken.
     pub(crate) fn expected_us(&self) -> Option<u64> {
