@@ -51,9 +51,9 @@ fn seed_000_reps_on_hashing_switches_keeps_up_with_the_balanced_reference_where_
     let global = cct(&r, "REPS on path-id switches + MPRDMA", false);
     assert!(reps < 1.05 * balanced, "seed {seed}: REPS {reps} µs vs the balanced reference {balanced} µs");
     assert!(spray > 1.2 * reps, "seed {seed}: random spraying {spray} µs vs REPS {reps} µs");
-    // Global path ids herd, but since a packet overdue on other paths makes its path suspect after
-    // SRTT + 2 RTTVAR instead of + 4 (issue 12), the transport moves new packets off the queues that
-    // herding builds sooner: 1.15x REPS on this k = 6 tree (1.31x before), 2.07x at full scale.
+    // Global path ids herd. Since a packet overdue on other paths makes its path suspect after
+    // SRTT + 2 RTTVAR instead of + 4 (issue 12) the herding variant finishes sooner: 1.15x REPS on
+    // this k = 6 tree (1.31x before), 2.07x at full scale (`docs/sim-results.md`).
     assert!(global > 1.1 * reps, "seed {seed}: REPS with global path ids {global} µs vs REPS {reps} µs");
 }
 

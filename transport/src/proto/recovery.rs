@@ -55,8 +55,10 @@ const DELAY_CONGESTION_SLACK_US: u64 = 50;
 /// after which a packet overtaken only on other paths makes its path suspect. Half of the RTO's
 /// four: on the rail fabric, whose loaded RTTs swing from 10 to 70 ms, the RTO's margin let a
 /// failed spine's paths be suspected only 2-3 RTTs after the fault (bytes off the dead path after
-/// 1.5-3.9 RTTs under PRO and DR); with two, 0.6-2.1. (None made the fault-free runs slower; in the
-/// simulator's fat tree it also moves random spraying's packets off queues that overflow.)
+/// 1.4-3.2 RTTs under PRO and DR); with two, 0.5-2.1 under every policy, and fault-free runs no
+/// slower (1.04-1.11x the bound). None at all was as quick but cost REPS its lead over the
+/// balanced reference in the simulator's k = 6 fat tree (686 against 638 µs; with two 635 against
+/// 627), where random spraying got faster with two (1,166 -> 783 µs).
 const SUSPECT_RTTVARS: u64 = 2;
 
 /// Smallest reordering window, µs: the clock's granularity.

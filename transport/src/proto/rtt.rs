@@ -75,7 +75,7 @@ impl RttEstimator {
     /// When a packet sent now should have arrived at the latest, by this estimate alone: SRTT plus
     /// four RTT variations (the RTO without floor, ceiling or backoff), if any sample was taken.
     pub(crate) fn expected_us(&self) -> Option<u64> {
-        self.srtt_us.map(|s| s + 4 * self.rttvar_us)
+        self.srtt_plus_var_us(4)
     }
 }
 
