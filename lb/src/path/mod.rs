@@ -73,6 +73,14 @@ pub trait PathPolicy: Send {
         let _ = (ctx, uplink, e);
         true
     }
+    /// Where the plan chunk holding `ctx.offset` of message `ctx.msg` ends (an offset of the
+    /// message), for a policy that places chunks (the split layer's): a new packet should end there
+    /// rather than carry the next chunk's first bytes to this chunk's rail and uplink. `None` (the
+    /// default): no chunk boundary to respect.
+    fn chunk_end(&mut self, ctx: &PathCtx) -> Option<u64> {
+        let _ = ctx;
+        None
+    }
     /// A small JSON picture of the policy's state, for stats (`null` when there is nothing to say).
     fn describe_state(&self) -> serde_json::Value {
         serde_json::Value::Null

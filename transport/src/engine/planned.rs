@@ -65,6 +65,13 @@ impl ChunkMap {
         (offset < s.1 || s.0 == s.1).then_some((s.2, s.3))
     }
 
+    /// Where the span holding `offset` ends, if one holds it.
+    fn end_at(&self, offset: u64) -> Option<u64> {
+        let i = self.spans.partition_point(|s| s.0 <= offset).checked_sub(1)?;
+        let s = self.spans[i];
+        (offset < s.1).then_some(s.1)
+    }
+
     /// Bytes per rail (for stats and tests).
     pub fn rails(&self) -> impl Iterator<Item = (u16, u64)> + '_ {
         self.spans.iter().map(|s| (s.2, s.1 - s.0))
@@ -200,6 +207,10 @@ impl PathPolicy for PlannedPaths {
         Some(e)
     }
 
+    fn chunk_end(&mut self, ctx: &PathCtx) -> Option<u64> {
+        self.plans.lock().get(&ctx.msg).and_then(|m| m.end_at(ctx.offset))
+    }
+
     fn allows(&mut self, ctx: &PathCtx, _uplink: Option<u16>, e: u16) -> bool {
         let (rail, uplink) = self.span_at(ctx);
         if uplink.is_none() {
@@ -274,6 +285,23 @@ mod tests {
             }
         }
         assert_eq!(per_rail[0], per_rail[1], "rr alternates rails");
+    }
+
+    #[test]
+    fn a_chunk_end_is_where_the_plan_chunk_holding_the_offset_ends() {
+        let rt = runtime(&[("PRISM_RAIL", "rr"), ("PRISM_CHUNK", "4096")], 2);
+        let plans: Plans = Arc::default();
+        let plan = rt.plan(&prism_lb::SendReq { dst_host: 9, len: 64 * 1024 + 100, flow: 1, home_rail: 0 }, 0).unwrap();
+        plans.lock().insert(5, ChunkMap::from_plan(&plan, 0));
+        let mut p = PlannedPaths::new(&rt, 9, 2, 16, 0, 3, plans);
+        for c in &plan.chunks {
+            let end = c.offset + u64::from(c.len);
+            for off in [c.offset, c.offset + u64::from(c.len) / 2, end - 1] {
+                assert_eq!(p.chunk_end(&ctx(5, off)), Some(end), "offset {off}");
+            }
+        }
+        assert_eq!(p.chunk_end(&ctx(5, 64 * 1024 + 100)), None, "past the message");
+        assert_eq!(p.chunk_end(&ctx(6, 0)), None, "a message without plan");
     }
 
     #[test]

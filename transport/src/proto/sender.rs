@@ -308,6 +308,11 @@ impl TxState {
         }
     }
 
+    /// Message and offset of the next packet of new data, if there is one.
+    pub(crate) fn next_new_at(&self) -> Option<(MsgId, u64)> {
+        self.tx_queue.front().map(|item| (item.msg, item.next_offset))
+    }
+
     /// The next packet of new data (at most `max_payload` bytes) and whether it ends its item.
     pub(crate) fn next_new_packet(&mut self, max_payload: u64, now: Micros) -> Option<(SentPkt, bool)> {
         let item = self.tx_queue.front_mut()?;

@@ -69,7 +69,7 @@ impl Connection {
 
     /// The next packet of new data, if any.
     fn poll_new_data(&mut self, now: Micros, src: &mut dyn PayloadSource, out: &mut [u8]) -> Option<Transmit> {
-        let max_payload = self.max_new_payload(out.len())?;
+        let max_payload = self.chunk_capped(self.max_new_payload(out.len())?, now);
         // The next packet waits (parked) while its send's start time is not reached (`gate.rs`).
         if !self.next_new_due(now, max_payload) {
             return None;
@@ -87,6 +87,24 @@ impl Connection {
         }
         let psn = self.tx.push_new(rec, done, now);
         Some(self.transmit_data(psn, false, now, src, out))
+    }
+
+    /// `max_payload`, cut so that the next new packet ends where the policy's plan chunk ends (at the
+    /// first line boundary from there: a chunk that ends inside a line takes that line whole, so the
+    /// next chunk's first packet starts on a line). A packet that crossed a
+    /// chunk boundary took the next chunk's first bytes to its own chunk's rail and uplink: on the
+    /// rail fabric, under Ethereal's exact split (4 MiB per uplink per flow), the uplinks of one flow
+    /// carried 4.16-4.39 MB. The packet parked at a start gate was cut when it was parked.
+    fn chunk_capped(&mut self, max_payload: u64, now: Micros) -> u64 {
+        if self.gates.parked.is_some() {
+            return max_payload;
+        }
+        let Some((msg, offset)) = self.tx.next_new_at() else { return max_payload };
+        let ctx = PathCtx { msg: msg.0, offset, n_paths: self.cfg.n_paths, retransmit: false, avoid: None, now_us: now };
+        match self.policy.chunk_end(&ctx) {
+            Some(end) if end > offset => max_payload.min((end - offset).next_multiple_of(crate::wire::LINE_BYTES as u64)),
+            _ => max_payload,
+        }
     }
 
     /// The most payload a new packet in a buffer of `out_len` bytes carries: whole lines only, so every
