@@ -17,6 +17,9 @@ use prism_lb::{Feedback, FlowInfo, LbRuntime, PathCtx, PathPolicy, Plan, RateCon
 pub(crate) struct ChunkMap {
     /// (offset, end, rail, uplink), sorted by offset, covering the message.
     spans: Vec<(u64, u64, u16, Option<u16>)>,
+    /// Per span: where the run of adjacent spans with its rail and uplink ends (a packet may cross
+    /// the chunk boundaries inside a run, which change nothing about where it goes).
+    run_ends: Vec<u64>,
     /// Ethereal's start jitter: (offset, not before) in engine µs, sorted by offset, one entry where the
     /// start time changes; empty when no chunk has a start delay.
     starts: Vec<(u64, u64)>,
@@ -38,7 +41,15 @@ impl ChunkMap {
                 }
             }
         }
-        Self { spans, starts }
+        let mut run_ends = vec![0; spans.len()];
+        for i in (0..spans.len()).rev() {
+            let s = spans[i];
+            run_ends[i] = match spans.get(i + 1) {
+                Some(n) if n.0 == s.1 && (n.2, n.3) == (s.2, s.3) => run_ends[i + 1],
+                _ => s.1,
+            };
+        }
+        Self { spans, run_ends, starts }
     }
 
     /// (offset, not before) for `Connection::set_send_starts` (empty: no chunk waits).
@@ -65,11 +76,11 @@ impl ChunkMap {
         (offset < s.1 || s.0 == s.1).then_some((s.2, s.3))
     }
 
-    /// Where the span holding `offset` ends, if one holds it.
+    /// Where the run of adjacent spans with the rail and uplink of the span holding `offset` ends, if
+    /// a span holds it.
     fn end_at(&self, offset: u64) -> Option<u64> {
         let i = self.spans.partition_point(|s| s.0 <= offset).checked_sub(1)?;
-        let s = self.spans[i];
-        (offset < s.1).then_some(s.1)
+        (offset < self.spans[i].1).then_some(self.run_ends[i])
     }
 
     /// Bytes per rail (for stats and tests).
@@ -294,12 +305,21 @@ mod tests {
         let plan = rt.plan(&prism_lb::SendReq { dst_host: 9, len: 64 * 1024 + 100, flow: 1, home_rail: 0 }, 0).unwrap();
         plans.lock().insert(5, ChunkMap::from_plan(&plan, 0));
         let mut p = PlannedPaths::new(&rt, 9, 2, 16, 0, 3, plans);
+        // rr alternates rails chunk by chunk: every chunk is a run of its own.
         for c in &plan.chunks {
             let end = c.offset + u64::from(c.len);
             for off in [c.offset, c.offset + u64::from(c.len) / 2, end - 1] {
                 assert_eq!(p.chunk_end(&ctx(5, off)), Some(end), "offset {off}");
             }
         }
+        // Chunks that go where their neighbours go are one run: a packet need not end between them.
+        let rt1 = runtime(&[("PRISM_CHUNK", "4096")], 1);
+        let one: Plans = Arc::default();
+        let plan1 = rt1.plan(&prism_lb::SendReq { dst_host: 9, len: 64 * 1024, flow: 1, home_rail: 0 }, 0).unwrap();
+        assert!(plan1.chunks.len() > 1, "the single-rail plan has {} chunk(s)", plan1.chunks.len());
+        one.lock().insert(5, ChunkMap::from_plan(&plan1, 0));
+        let mut p1 = PlannedPaths::new(&rt1, 9, 1, 16, 0, 3, one);
+        assert_eq!(p1.chunk_end(&ctx(5, 5000)), Some(64 * 1024));
         assert_eq!(p.chunk_end(&ctx(5, 64 * 1024 + 100)), None, "past the message");
         assert_eq!(p.chunk_end(&ctx(6, 0)), None, "a message without plan");
     }
