@@ -74,9 +74,10 @@ pub trait PathPolicy: Send {
         true
     }
     /// Where the plan chunk holding `ctx.offset` of message `ctx.msg` ends (an offset of the
-    /// message), for a policy that places chunks (the split layer's): a new packet should end there
-    /// rather than carry the next chunk's first bytes to this chunk's rail and uplink. `None` (the
-    /// default): no chunk boundary to respect.
+    /// message; the last of the adjacent chunks that go to the same rail and uplink), for a policy
+    /// that places chunks (the split layer's): a new packet should end there rather than carry the
+    /// next chunk's first bytes to this chunk's rail and uplink. `None` (the default): no chunk
+    /// boundary to respect.
     fn chunk_end(&mut self, ctx: &PathCtx) -> Option<u64> {
         let _ = ctx;
         None

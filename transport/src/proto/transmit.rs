@@ -89,7 +89,8 @@ impl Connection {
         Some(self.transmit_data(psn, false, now, src, out))
     }
 
-    /// `max_payload`, cut so that the next new packet ends where the policy's plan chunk ends (at the
+    /// `max_payload`, cut so that the next new packet ends where the policy's plan chunk (or run of
+    /// chunks bound for the same rail and uplink) ends (at the
     /// first line boundary from there: a chunk that ends inside a line takes that line whole, so the
     /// next chunk's first packet starts on a line). A packet that crossed a
     /// chunk boundary took the next chunk's first bytes to its own chunk's rail and uplink: on the
