@@ -312,6 +312,8 @@ mod tests {
                 assert_eq!(p.chunk_end(&ctx(5, off)), Some(end), "offset {off}");
             }
         }
+        assert_eq!(p.chunk_end(&ctx(5, 64 * 1024 + 100)), None, "past the message");
+        assert_eq!(p.chunk_end(&ctx(6, 0)), None, "a message without plan");
         // Chunks that go where their neighbours go are one run: a packet need not end between them.
         let rt1 = runtime(&[("PRISM_CHUNK", "4096")], 1);
         let one: Plans = Arc::default();
@@ -320,8 +322,6 @@ mod tests {
         one.lock().insert(5, ChunkMap::from_plan(&plan1, 0));
         let mut p1 = PlannedPaths::new(&rt1, 9, 1, 16, 0, 3, one);
         assert_eq!(p1.chunk_end(&ctx(5, 5000)), Some(64 * 1024));
-        assert_eq!(p.chunk_end(&ctx(5, 64 * 1024 + 100)), None, "past the message");
-        assert_eq!(p.chunk_end(&ctx(6, 0)), None, "a message without plan");
     }
 
     #[test]

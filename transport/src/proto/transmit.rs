@@ -90,12 +90,12 @@ impl Connection {
     }
 
     /// `max_payload`, cut so that the next new packet ends where the policy's plan chunk (or run of
-    /// chunks bound for the same rail and uplink) ends (at the
-    /// first line boundary from there: a chunk that ends inside a line takes that line whole, so the
-    /// next chunk's first packet starts on a line). A packet that crossed a
-    /// chunk boundary took the next chunk's first bytes to its own chunk's rail and uplink: on the
-    /// rail fabric, under Ethereal's exact split (4 MiB per uplink per flow), the uplinks of one flow
-    /// carried 4.16-4.39 MB. The packet parked at a start gate was cut when it was parked.
+    /// chunks bound for the same rail and uplink) ends, at the first line boundary from there: a
+    /// chunk that ends inside a line takes that line whole, so the next chunk's first packet starts
+    /// on a line. A packet that crossed a chunk boundary took the next chunk's first bytes to its own
+    /// chunk's rail and uplink: on the rail fabric, under Ethereal's exact split (4 MiB per uplink
+    /// per flow), the uplinks of one flow carried 4.16-4.39 MB. The packet parked at a start gate
+    /// was cut when it was parked.
     fn chunk_capped(&mut self, max_payload: u64, now: Micros) -> u64 {
         if self.gates.parked.is_some() {
             return max_payload;
