@@ -81,6 +81,13 @@ def downlink_if(s: int, r: int) -> str:
     return f"sp{s}-lf{r}"
 
 
+def htb_burst_bytes(bw_mbit: float) -> int:
+    """Both token buckets (rate and ceil) of a shaped port at `bw_mbit`: 2 ms of the rate, at least 15 KB
+    (TCLink's rate bucket, more than one 9,000-byte frame). A bucket is what a dequeue that runs late
+    can catch up on; on a 2-core machine running eight ranks the kernel's htb watchdog runs late."""
+    return max(15000, int(bw_mbit * 1e6 / 8 * 0.002))
+
+
 def host_addr(i: int, r: int) -> str:
     """Host i's address on rail r."""
     return f"10.{100 + r}.{i}.2"
@@ -378,6 +385,7 @@ class Fabric:
         # Under TCLink's htb class sits the device's default queue; a switch port has a short buffer, so
         # each router port gets a pfifo of queue_pkts packets, and each host NIC one of host_queue_pkts.
         for node, ifn in self.fabric_ports():
+            self.set_link_bw(node, ifn, self.port_mbit(ifn))
             limit = self.spec.host_queue_pkts if ifn.startswith("h") else self.spec.queue_pkts
             self.sh(node, f"tc qdisc replace dev {ifn} parent 5:1 handle 10: pfifo limit {limit}")
         # A NIC puts a GSO train (UDP_SEGMENT) on the wire as separate packets; a veth hands it to the
@@ -387,6 +395,11 @@ class Fabric:
         for i in range(self.spec.hosts):
             for r in range(self.spec.rails):
                 self.sh(self.host(i), f"ethtool -K {host_if(i, r)} tx-udp-segmentation off")
+
+    def port_mbit(self, ifn: str) -> float:
+        """The configured rate of fabric port `ifn`: a host NIC and the leaf port facing it run at the host
+        rate, leaf-spine links at the spine rate."""
+        return self.spec.spine_bw_mbit if "-sp" in ifn or ifn.startswith("sp") else self.spec.host_bw_mbit
 
     def fabric_ports(self):
         """(node, interface) of every shaped fabric port, hosts included."""
@@ -401,8 +414,12 @@ class Fabric:
                 yield self.spine(s), downlink_if(s, r)
 
     def set_link_bw(self, node, ifn: str, bw_mbit: float) -> None:
-        """Changes the htb rate of one port (same class TCLink made)."""
-        self.sh(node, f"tc class change dev {ifn} parent 5:0 classid 5:1 htb rate {bw_mbit}Mbit burst 15k")
+        """Sets the htb rate of one port (the class TCLink made) with both token buckets at
+        ``htb_burst_bytes``: TCLink gives the rate bucket 15 KB but leaves the ceil bucket at tc's
+        default of 1,600 bytes, less than one 9,000-byte packet, so on a busy machine a dequeue
+        later than 64 us (at 200 Mbit/s) lost link time for good."""
+        b = htb_burst_bytes(bw_mbit)
+        self.sh(node, f"tc class change dev {ifn} parent 5:0 classid 5:1 htb rate {bw_mbit}Mbit burst {b} cburst {b}")
 
     def _mgmt(self) -> None:
         # The rendezvous must not ride on the fabric: a fault would cut it, and its bytes would blur the

@@ -29,3 +29,20 @@ class Timed(unittest.TestCase):
 
 if __name__ == "__main__":
     unittest.main()
+
+
+class HtbBucketsTest(unittest.TestCase):
+    def test_reads_rate_and_both_buckets_of_an_htb_class(self):
+        text = "class htb 5:1 root leaf 10: prio 0 rate 200Mbit ceil 200Mbit burst 50000b cburst 50000b \n"
+        self.assertEqual(selftest.htb_buckets(text), (200.0, 50000, 50000))
+        text = "class htb 5:1 root prio 0 rate 25Mbit ceil 25Mbit burst 15000b cburst 1600b"
+        self.assertEqual(selftest.htb_buckets(text), (25.0, 15000, 1600))
+        text = "class htb 5:1 root prio 0 rate 500Kbit ceil 500Kbit burst 15Kb cburst 1600b"
+        self.assertEqual(selftest.htb_buckets(text), (0.5, 15360, 1600))
+        self.assertIsNone(selftest.htb_buckets(""))
+
+    def test_buckets_cover_two_milliseconds_and_never_fall_under_tclinks_15_kb(self):
+        from prismfab.topo import htb_burst_bytes
+        self.assertEqual(htb_burst_bytes(200), 50000)
+        self.assertEqual(htb_burst_bytes(100), 25000)
+        self.assertEqual(htb_burst_bytes(25), 15000)
