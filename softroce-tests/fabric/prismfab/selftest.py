@@ -233,6 +233,12 @@ def htb_buckets(text: str) -> tuple[float, int, int] | None:
     return rate, size(m.group(3), m.group(4)), size(m.group(5), m.group(6))
 
 
+def buckets_ok(got: tuple[float, int, int] | None, mtu: int) -> bool:
+    """Whether an htb class (``htb_buckets``) holds ``htb_burst_bytes`` of its rate, and at least one
+    frame, in both buckets."""
+    return got is not None and min(got[1], got[2]) >= max(htb_burst_bytes(got[0]), mtu + 14)
+
+
 def check_buckets(fab: Fabric) -> Check:
     """Every shaped port's htb class holds at least ``htb_burst_bytes`` in both token buckets (rate and
     ceil). With TCLink's ceil bucket of 1,600 bytes (tc's default, under one 9,000-byte packet) a
@@ -242,7 +248,7 @@ def check_buckets(fab: Fabric) -> Check:
     ports = list(fab.fabric_ports())
     for node, ifn in ports:
         got = htb_buckets(node.cmd(f"tc class show dev {ifn}"))
-        if got is None or min(got[1], got[2]) < max(htb_burst_bytes(got[0]), fab.spec.mtu + 14):
+        if not buckets_ok(got, fab.spec.mtu):
             bad.append(f"{ifn}: {got}")
     return Check("fabric.buckets", not bad,
                  f"{len(ports) - len(bad)} of {len(ports)} shaped ports have both htb buckets >= "

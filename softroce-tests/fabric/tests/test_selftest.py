@@ -27,10 +27,6 @@ class Timed(unittest.TestCase):
         self.assertEqual(c.detail, "d")
 
 
-if __name__ == "__main__":
-    unittest.main()
-
-
 class HtbBucketsTest(unittest.TestCase):
     def test_reads_rate_and_both_buckets_of_an_htb_class(self):
         text = "class htb 5:1 root leaf 10: prio 0 rate 200Mbit ceil 200Mbit burst 50000b cburst 50000b \n"
@@ -46,3 +42,16 @@ class HtbBucketsTest(unittest.TestCase):
         self.assertEqual(htb_burst_bytes(200), 50000)
         self.assertEqual(htb_burst_bytes(100), 25000)
         self.assertEqual(htb_burst_bytes(25), 15000)
+
+    def test_tclinks_own_class_fails_the_check_and_the_set_buckets_pass(self):
+        # What `tc -d class show` printed for TCLink's class at 200 Mbit/s: rate bucket 15 KB, ceil 1,600.
+        self.assertFalse(selftest.buckets_ok((200.0, 15325, 1600), 9000))
+        self.assertFalse(selftest.buckets_ok((200.0, 15000, 15000), 9000))  # under 2 ms at 200 Mbit/s
+        self.assertTrue(selftest.buckets_ok((200.0, 50000, 50000), 9000))
+        self.assertTrue(selftest.buckets_ok((25.0, 15000, 15000), 9000))
+        self.assertFalse(selftest.buckets_ok((25.0, 15000, 15000), 16000))  # a frame does not fit
+        self.assertFalse(selftest.buckets_ok(None, 9000))
+
+
+if __name__ == "__main__":
+    unittest.main()
