@@ -78,10 +78,20 @@ pub struct ExperimentResult {
     pub runs: Vec<RunResult>,
     /// Events processed over all runs.
     pub events: u64,
-    /// Wall-clock seconds over all runs.
+    /// Wall-clock seconds over all runs (their sum: each run's own time, whatever ran beside it).
     pub wall_s: f64,
-    /// Events per second over all runs.
+    /// Events per second over all runs (`events` over `wall_s`: the speed of one run).
     pub events_per_s: f64,
+    /// Runs that went at a time, each on its own thread (1 in results written before this existed).
+    #[serde(default = "one")]
+    pub jobs: usize,
+    /// Wall-clock seconds of the whole scenario, from its first run's start to its last run's end.
+    #[serde(default)]
+    pub elapsed_s: f64,
+}
+
+fn one() -> usize {
+    1
 }
 
 impl ExperimentResult {
@@ -123,8 +133,20 @@ pub fn loglog_slope(points: &[(f64, f64)]) -> f64 {
     }
 }
 
-/// Run every case of `sc`. `progress` shows a bar per run; `ci` marks the result as the CI version.
+/// Run every case of `sc`, one after the other. `progress` shows a bar per run; `ci` marks the result as
+/// the CI version.
 pub fn run_scenario(sc: &Scenario, progress: bool, ci: bool) -> Result<ExperimentResult, ScenarioError> {
+    run_scenario_jobs(sc, progress, ci, 1)
+}
+
+/// Run every case of `sc`, up to `jobs` at a time, each on a thread of its own. The runs share nothing
+/// (each builds its simulator from the scenario and its own seed), so the results are the same for any
+/// `jobs` and come back in the same order; what changes is the wall time of a scenario with several
+/// schemes, sizes or seeds. One simulator is memory-bound (a 128-host all-to-all touches some 600 MB
+/// at random), so a second core mostly adds a second run's worth of memory traffic rather than
+/// sharing one run's. Progress bars only with one job (several would overwrite each other).
+pub fn run_scenario_jobs(sc: &Scenario, progress: bool, ci: bool, jobs: usize) -> Result<ExperimentResult, ScenarioError> {
+    let started = std::time::Instant::now();
     let sizes: Vec<Option<u64>> = if sc.sizes.is_empty() { vec![None] } else { sc.sizes.iter().copied().map(Some).collect() };
     let has_failures = sc.failures.random_link_prob > 0.0 || !sc.failures.links.is_empty();
     let variants: Vec<bool> = match (has_failures, sc.failures.with_baseline) {
@@ -132,31 +154,59 @@ pub fn run_scenario(sc: &Scenario, progress: bool, ci: bool) -> Result<Experimen
         (true, false) => vec![true],
         (true, true) => vec![false, true],
     };
-    let mut runs = Vec::new();
+    let mut cases = Vec::new();
     for &size in &sizes {
         for &fail in &variants {
             for scheme in &sc.schemes {
                 for r in 0..sc.runs {
-                    let seed = sc.seed + r as u64;
-                    let mut sim = Sim::new(sc, scheme, size, fail, seed)?;
-                    if progress {
-                        let label =
-                            format!("{} {}{}", scheme.name, size.map(human_bytes).unwrap_or_default(), if fail { " fail" } else { "" });
-                        let expect = sim.bound_us() * 1.5;
-                        sim = sim.with_progress(&label, expect);
-                    }
-                    let res = sim.run(size.unwrap_or(0), fail);
-                    tracing::info!(
-                        scheme = %res.scheme,
-                        size = res.size,
-                        cct_us = res.cct_us,
-                        events = res.events,
-                        "run done"
-                    );
-                    runs.push(res);
+                    cases.push((size, fail, scheme, sc.seed + r as u64));
                 }
             }
         }
+    }
+    let jobs = jobs.clamp(1, cases.len().max(1));
+    let progress = progress && jobs == 1;
+    let run_case = |i: usize| -> Result<RunResult, ScenarioError> {
+        let (size, fail, scheme, seed) = cases[i];
+        let mut sim = Sim::new(sc, scheme, size, fail, seed)?;
+        if progress {
+            let label = format!("{} {}{}", scheme.name, size.map(human_bytes).unwrap_or_default(), if fail { " fail" } else { "" });
+            let expect = sim.bound_us() * 1.5;
+            sim = sim.with_progress(&label, expect);
+        }
+        let res = sim.run(size.unwrap_or(0), fail);
+        tracing::info!(scheme = %res.scheme, size = res.size, cct_us = res.cct_us, events = res.events, "run done");
+        Ok(res)
+    };
+    let mut done: Vec<Option<Result<RunResult, ScenarioError>>> = (0..cases.len()).map(|_| None).collect();
+    if jobs == 1 {
+        for (i, slot) in done.iter_mut().enumerate() {
+            *slot = Some(run_case(i));
+        }
+    } else {
+        // Each worker takes the next case not yet taken; results go to the case's own slot.
+        let next = std::sync::atomic::AtomicUsize::new(0);
+        let slots = std::sync::Mutex::new(&mut done);
+        std::thread::scope(|scope| {
+            for _ in 0..jobs {
+                scope.spawn(|| loop {
+                    let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    if i >= cases.len() {
+                        break;
+                    }
+                    let res = run_case(i);
+                    // A worker that panicked poisoned the lock; its panic ends the scope anyway.
+                    if let Ok(mut slots) = slots.lock() {
+                        slots[i] = Some(res);
+                    }
+                });
+            }
+        });
+    }
+    let mut runs = Vec::with_capacity(cases.len());
+    for res in done {
+        // Every slot was filled: the workers took every index below `cases.len()`.
+        runs.push(res.expect("every case ran")?);
     }
     let mut summary = Vec::new();
     for &size in &sizes {
@@ -212,6 +262,8 @@ pub fn run_scenario(sc: &Scenario, progress: bool, ci: bool) -> Result<Experimen
         events,
         wall_s,
         events_per_s: events as f64 / wall_s.max(1e-9),
+        jobs,
+        elapsed_s: started.elapsed().as_secs_f64(),
     })
 }
 

@@ -23,5 +23,5 @@ pub mod scenario;
 pub mod workload;
 
 pub use engine::{RunResult, Sim};
-pub use experiment::{run_scenario, ExperimentResult, SummaryRow};
+pub use experiment::{run_scenario, run_scenario_jobs, ExperimentResult, SummaryRow};
 pub use scenario::{Scenario, ScenarioError};

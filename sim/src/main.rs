@@ -5,7 +5,7 @@ use std::path::{Path, PathBuf};
 
 use anyhow::Context;
 use clap::{Parser, Subcommand};
-use prism_sim::{report, run_scenario, Scenario};
+use prism_sim::{report, run_scenario_jobs, Scenario};
 
 #[derive(Parser)]
 #[command(name = "prism-sim", about = "Packet-level fabric simulator running Prism's own lb and proto")]
@@ -38,6 +38,10 @@ enum Cmd {
         /// Run only these message sizes, bytes (repeatable).
         #[arg(long)]
         size: Vec<u64>,
+        /// Runs (schemes, sizes, seeds) at a time, each on its own thread; 0 = one per core. The results
+        /// do not depend on it.
+        #[arg(long, default_value_t = 0)]
+        jobs: usize,
     },
     /// Render the markdown summary and the SVG charts again from a result JSON.
     Report {
@@ -61,10 +65,22 @@ enum Cmd {
         /// No progress bars.
         #[arg(long)]
         quiet: bool,
+        /// Runs at a time, as for `run`.
+        #[arg(long, default_value_t = 0)]
+        jobs: usize,
     },
 }
 
-fn run_one(file: &Path, json: Option<&Path>, out_dir: &Path, ci: bool, quiet: bool, only: &[String], sizes: &[u64]) -> anyhow::Result<()> {
+/// What `run` and `all` share: where results go and how the runs are made.
+struct RunOpts<'a> {
+    out_dir: &'a Path,
+    ci: bool,
+    quiet: bool,
+    jobs: usize,
+}
+
+fn run_one(file: &Path, json: Option<&Path>, o: &RunOpts, only: &[String], sizes: &[u64]) -> anyhow::Result<()> {
+    let (out_dir, ci, quiet) = (o.out_dir, o.ci, o.quiet);
     let text = std::fs::read_to_string(file).with_context(|| format!("reading {}", file.display()))?;
     let sc = Scenario::from_json(&text).with_context(|| format!("loading {}", file.display()))?;
     let mut sc = if ci { sc.ci_variant()? } else { sc };
@@ -76,7 +92,8 @@ fn run_one(file: &Path, json: Option<&Path>, out_dir: &Path, ci: bool, quiet: bo
         sc.sizes = sizes.to_vec();
     }
     eprintln!("== {} ({} schemes, {} sizes, {} runs each)", sc.name, sc.schemes.len(), sc.sizes.len().max(1), sc.runs);
-    let res = run_scenario(&sc, !quiet, ci)?;
+    let jobs = if o.jobs == 0 { std::thread::available_parallelism().map_or(1, |n| n.get()) } else { o.jobs };
+    let res = run_scenario_jobs(&sc, !quiet, ci, jobs)?;
     std::fs::create_dir_all(out_dir)?;
     let stem = if ci { format!("{}-ci", sc.name) } else { sc.name.clone() };
     let json_path = json.map(Path::to_path_buf).unwrap_or_else(|| out_dir.join(format!("{stem}.json")));
@@ -87,12 +104,15 @@ fn run_one(file: &Path, json: Option<&Path>, out_dir: &Path, ci: bool, quiet: bo
     let md = write_outputs(&res, out_dir)?;
     println!("{md}");
     eprintln!(
-        "== {}: {} runs, {:.1} M events, {:.1} s, {:.2} M events/s; results in {}",
+        "== {}: {} runs, {:.1} M events, {:.1} s, {:.2} M events/s per run; {} at a time: {:.1} s, {:.2} M events/s; results in {}",
         sc.name,
         res.runs.len(),
         res.events as f64 / 1e6,
         res.wall_s,
         res.events_per_s / 1e6,
+        res.jobs,
+        res.elapsed_s,
+        res.events as f64 / res.elapsed_s.max(1e-9) / 1e6,
         json_path.display()
     );
     Ok(())
@@ -141,7 +161,9 @@ fn main() -> anyhow::Result<()> {
     tracing_subscriber_init();
     let cli = Cli::parse();
     match cli.cmd {
-        Cmd::Run { file, json, out_dir, ci, quiet, scheme, size } => run_one(&file, json.as_deref(), &out_dir, ci, quiet, &scheme, &size),
+        Cmd::Run { file, json, out_dir, ci, quiet, scheme, size, jobs } => {
+            run_one(&file, json.as_deref(), &RunOpts { out_dir: &out_dir, ci, quiet, jobs }, &scheme, &size)
+        }
         Cmd::Report { json, out_dir } => {
             let text = std::fs::read_to_string(&json).with_context(|| format!("reading {}", json.display()))?;
             let mut res: prism_sim::ExperimentResult =
@@ -150,7 +172,7 @@ fn main() -> anyhow::Result<()> {
             write_outputs(&res, &out_dir)?;
             Ok(())
         }
-        Cmd::All { dir, out_dir, ci, quiet } => {
+        Cmd::All { dir, out_dir, ci, quiet, jobs } => {
             let mut files: Vec<PathBuf> = std::fs::read_dir(&dir)
                 .with_context(|| format!("reading {}", dir.display()))?
                 .filter_map(|e| e.ok().map(|e| e.path()))
@@ -158,7 +180,7 @@ fn main() -> anyhow::Result<()> {
                 .collect();
             files.sort();
             for f in files {
-                run_one(&f, None, &out_dir, ci, quiet, &[], &[])?;
+                run_one(&f, None, &RunOpts { out_dir: &out_dir, ci, quiet, jobs }, &[], &[])?;
             }
             Ok(())
         }

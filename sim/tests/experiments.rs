@@ -216,3 +216,29 @@ fn a_run_is_deterministic_for_its_seed() {
         assert_eq!((x.cct_us, x.events, x.max_switch_queue_bytes), (y.cct_us, y.events, y.max_switch_queue_bytes));
     }
 }
+
+#[test]
+fn runs_made_side_by_side_give_the_results_of_runs_made_one_after_the_other() {
+    // `--jobs`: each run builds its own simulator from the scenario and its seed, so running several
+    // at once (and in whatever order the threads take them) changes nothing but the wall time.
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("scenarios").join("000-failures.json");
+    let text = std::fs::read_to_string(&path).expect("scenario");
+    let sc = Scenario::from_json(&text).and_then(|s| s.ci_variant()).expect("ci variant");
+    let strip = |r: &ExperimentResult| {
+        let mut v = serde_json::to_value(r).expect("json");
+        for key in ["wall_s", "events_per_s", "elapsed_s", "jobs"] {
+            v.as_object_mut().expect("object").remove(key);
+        }
+        for run in v["runs"].as_array_mut().expect("runs") {
+            for key in ["wall_s", "events_per_s"] {
+                run.as_object_mut().expect("run").remove(key);
+            }
+        }
+        v
+    };
+    let one = prism_sim::run_scenario_jobs(&sc, false, true, 1).expect("one job");
+    let three = prism_sim::run_scenario_jobs(&sc, false, true, 3).expect("three jobs");
+    assert!(one.runs.len() >= 4, "{} runs: too few to interleave", one.runs.len());
+    assert_eq!((one.jobs, three.jobs), (1, 3));
+    assert_eq!(strip(&one), strip(&three));
+}
