@@ -39,7 +39,7 @@ enum Cmd {
         #[arg(long)]
         size: Vec<u64>,
         /// Runs (schemes, sizes, seeds) at a time, each on its own thread; 0 = one per core. The results
-        /// do not depend on it.
+        /// do not depend on it; the memory does (a 128-host run holds about 630 MB).
         #[arg(long, default_value_t = 0)]
         jobs: usize,
     },
