@@ -95,6 +95,24 @@ fn one() -> usize {
 }
 
 impl ExperimentResult {
+    /// How fast the scenario ran: its events over the runs' own wall time, and with several jobs also
+    /// over the scenario's.
+    pub fn speed_summary(&self) -> String {
+        let (runs, m_events) = (self.runs.len(), self.events as f64 / 1e6);
+        if self.jobs > 1 && self.elapsed_s > 0.0 {
+            format!(
+                "{runs} runs, {m_events:.1} M events in {:.1} s of runs ({:.2} M events/s per run); {} at a time: {:.1} s wall ({:.2} M events/s)",
+                self.wall_s,
+                self.events_per_s / 1e6,
+                self.jobs,
+                self.elapsed_s,
+                m_events / self.elapsed_s
+            )
+        } else {
+            format!("{runs} runs, {m_events:.1} M events in {:.1} s wall ({:.2} M events/s)", self.wall_s, self.events_per_s / 1e6)
+        }
+    }
+
     /// The summary row of `scheme` at `size` (with `failures`).
     pub fn row(&self, scheme: &str, size: u64, failures: bool) -> Option<&SummaryRow> {
         self.summary.iter().find(|r| r.scheme == scheme && r.size == size && r.failures == failures)

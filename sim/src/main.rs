@@ -103,18 +103,7 @@ fn run_one(file: &Path, json: Option<&Path>, o: &RunOpts, only: &[String], sizes
     std::fs::write(&json_path, serde_json::to_string_pretty(&res)?)?;
     let md = write_outputs(&res, out_dir)?;
     println!("{md}");
-    eprintln!(
-        "== {}: {} runs, {:.1} M events, {:.1} s, {:.2} M events/s per run; {} at a time: {:.1} s, {:.2} M events/s; results in {}",
-        sc.name,
-        res.runs.len(),
-        res.events as f64 / 1e6,
-        res.wall_s,
-        res.events_per_s / 1e6,
-        res.jobs,
-        res.elapsed_s,
-        res.events as f64 / res.elapsed_s.max(1e-9) / 1e6,
-        json_path.display()
-    );
+    eprintln!("== {}: {}; results in {}", sc.name, res.speed_summary(), json_path.display());
     Ok(())
 }
 

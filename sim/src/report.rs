@@ -17,28 +17,7 @@ pub fn markdown(r: &ExperimentResult) -> String {
     if !r.description.is_empty() {
         let _ = writeln!(s, "{}\n", r.description);
     }
-    if r.jobs > 1 && r.elapsed_s > 0.0 {
-        let _ = writeln!(
-            s,
-            "{} runs, {:.1} M events in {:.1} s of runs ({:.2} M events/s per run); {} at a time: {:.1} s wall ({:.2} M events/s).\n",
-            r.runs.len(),
-            r.events as f64 / 1e6,
-            r.wall_s,
-            r.events_per_s / 1e6,
-            r.jobs,
-            r.elapsed_s,
-            r.events as f64 / r.elapsed_s / 1e6
-        );
-    } else {
-        let _ = writeln!(
-            s,
-            "{} runs, {:.1} M events in {:.1} s wall ({:.2} M events/s).\n",
-            r.runs.len(),
-            r.events as f64 / 1e6,
-            r.wall_s,
-            r.events_per_s / 1e6
-        );
-    }
+    let _ = writeln!(s, "{}.\n", r.speed_summary());
     let _ = writeln!(
         s,
         "| scheme | size | failures | CCT µs | bound µs | CCT over bound | busiest NIC µs | max switch queue KiB | max queue between switches KiB | avg switch queue KiB | retx | timeouts | drops (buffer/failed) | ECN marks | p99 reorder | reroute µs |"
