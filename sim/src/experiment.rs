@@ -197,39 +197,28 @@ pub fn run_scenario_jobs(sc: &Scenario, progress: bool, ci: bool, jobs: usize) -
         tracing::info!(scheme = %res.scheme, size = res.size, cct_us = res.cct_us, events = res.events, "run done");
         Ok(res)
     };
+    // Each worker takes the next case not yet taken (none once a case failed); results go to the case's
+    // own slot. With one job, one worker runs the cases in order.
+    use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
     let mut done: Vec<Option<Result<RunResult, ScenarioError>>> = (0..cases.len()).map(|_| None).collect();
-    if jobs == 1 {
-        for (i, slot) in done.iter_mut().enumerate() {
-            let res = run_case(i);
-            let failed = res.is_err();
-            *slot = Some(res);
-            if failed {
-                break;
-            }
+    let (next, failed) = (AtomicUsize::new(0), AtomicBool::new(false));
+    let slots = std::sync::Mutex::new(&mut done);
+    std::thread::scope(|scope| {
+        for _ in 0..jobs {
+            scope.spawn(|| loop {
+                let i = next.fetch_add(1, Ordering::Relaxed);
+                if i >= cases.len() || failed.load(Ordering::Relaxed) {
+                    break;
+                }
+                let res = run_case(i);
+                failed.fetch_or(res.is_err(), Ordering::Relaxed);
+                // A worker that panicked poisoned the lock; its panic ends the scope anyway.
+                if let Ok(mut slots) = slots.lock() {
+                    slots[i] = Some(res);
+                }
+            });
         }
-    } else {
-        // Each worker takes the next case not yet taken (none once a case failed); results go to the
-        // case's own slot.
-        use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-        let (next, failed) = (AtomicUsize::new(0), AtomicBool::new(false));
-        let slots = std::sync::Mutex::new(&mut done);
-        std::thread::scope(|scope| {
-            for _ in 0..jobs {
-                scope.spawn(|| loop {
-                    let i = next.fetch_add(1, Ordering::Relaxed);
-                    if i >= cases.len() || failed.load(Ordering::Relaxed) {
-                        break;
-                    }
-                    let res = run_case(i);
-                    failed.fetch_or(res.is_err(), Ordering::Relaxed);
-                    // A worker that panicked poisoned the lock; its panic ends the scope anyway.
-                    if let Ok(mut slots) = slots.lock() {
-                        slots[i] = Some(res);
-                    }
-                });
-            }
-        });
-    }
+    });
     // Without a failure every case ran; with one, the first in case order is the answer.
     let mut runs = Vec::with_capacity(cases.len());
     for res in done.into_iter().flatten() {
