@@ -198,7 +198,8 @@ def recovery_in_rtts(r: dict, base: dict | None) -> dict:
     fo = by.get("first_off_s")
     return {"reroute_s": rr, "rtt_s": rtt, "rtts": (rr / rtt) if (rr is not None and rtt) else None,
             "first_off_s": fo, "first_off_rtts": (fo / rtt) if (fo is not None and rtt) else None,
-            "resolution_s": by.get("resolution_s"), "residual_share": by.get("residual_share")}
+            "resolution_s": by.get("resolution_s"), "fault_gap_s": by.get("fault_gap_s"),
+            "residual_share": by.get("residual_share")}
 
 
 def recovery_check(fname: str, pol: str, r: dict, base: dict | None, k_max: float) -> Check:
@@ -213,6 +214,10 @@ def recovery_check(fname: str, pol: str, r: dict, base: dict | None, k_max: floa
         return Check(name, False, f"the bulk of the bytes never stayed off the dead path (limit {k_max:g} RTTs of "
                                   f"{1000 * x['rtt_s']:.1f} ms = {1000 * k_max * x['rtt_s']:.0f} ms){first}", x)
     ok = x["rtts"] <= k_max
+    gap = x.get("fault_gap_s")
+    late = (f"; the counters were sampled {1000 * gap:.0f} ms apart around the fault (nominal "
+            f"{1000 * x['resolution_s']:.0f} ms): nothing finer could be seen"
+            if gap is not None and x.get("resolution_s") and gap > 2 * x["resolution_s"] else "")
     return Check(name, ok, f"bulk of the bytes off the dead path {1000 * x['reroute_s']:.0f} ms after the fault = "
                            f"{x['rtts']:.1f} RTTs of {1000 * x['rtt_s']:.1f} ms (the fault-free run's mean RTT); "
-                           f"limit {k_max:g} RTTs", x)
+                           f"limit {k_max:g} RTTs{late}", x)

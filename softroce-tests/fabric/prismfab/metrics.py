@@ -391,6 +391,8 @@ def recovery(t: list[float], dead: list[int], total: list[int], t_fault: float, 
     * ``first_off_s``: from the fault to the first moment from which the dead path stayed at most 5 % of
       its earlier rate for `hold_s` (busy windows): when the bulk first left, even if a burst came back
       later (which ``reroute_s`` does not forgive).
+    * ``fault_gap_s``: how far apart the samples on either side of the fault came (the nominal interval
+      unless the sampler fell behind): ``reroute_s`` and ``first_off_s`` are no finer than it.
     """
     if until is not None:
         keep = sum(1 for x in t if x <= until)
@@ -402,6 +404,9 @@ def recovery(t: list[float], dead: list[int], total: list[int], t_fault: float, 
     # The end of the traffic, not of the processes: the last sample at which the spines carried anything.
     kf, t_end, pre_dead, pre_total = _before_fault(t, dead, total, t_fault, before_s)
     out["dead_path_packets"] = dead[-1] - dead[kf]
+    # No measure here can be finer than the samples around the fault: the first window that can show the
+    # dead path quiet starts at the first sample after it.
+    out["fault_gap_s"] = (t[kf + 1] - t[kf]) if kf + 1 < n else None
     out["traffic_end_s"] = t_end - t_fault
     last = max((t[k] for k in range(kf + 1, n) if dead[k] > dead[k - 1]), default=None)
     if last is None:

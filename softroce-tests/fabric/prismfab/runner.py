@@ -216,15 +216,16 @@ def run_one(fab: Fabric, scn: Scenario, bins: Binaries, wl: Workload, pol: Polic
                 break
             if t_data is None:
                 s = sampler.series
-                if s.netdev:
+                n = len(s.t)  # samples whose counters are all there (the sampler appends the time last)
+                if n:
                     if rails0 is None:
                         rails0 = s.netdev[0]
-                    cur = s.netdev[-1]
+                    cur = s.netdev[n - 1]
                     sent = sum(cur.get(f"h{i}", {}).get(host_if(i, r), {}).get("tx_bytes", 0)
                                - rails0.get(f"h{i}", {}).get(host_if(i, r), {}).get("tx_bytes", 0)
                                for i in range(spec.hosts) for r in range(spec.rails))
                     if sent >= START_BYTES:
-                        t_data = s.t[-1]
+                        t_data = s.t[n - 1]
             if injector and injector.pending and t_data is not None:
                 for part in injector.inject_due(now - t_data):
                     t_part = time.monotonic()
@@ -365,6 +366,10 @@ def run_one(fab: Fabric, scn: Scenario, bins: Binaries, wl: Workload, pol: Polic
                                                              until=t_heal)
                 if t_heal is not None:
                     res["revival"] = metrics.revival(series.t, dead_b, total_b, t_fault, t_heal, sample_interval_s)
+    # How regular the samples came: every time measured from the counters is no finer than their gaps.
+    res["sampler"] = sampler.gaps()
+    if t_fault is not None:
+        res["sampler"]["around_fault"] = sampler.gaps(since=t_fault - 0.1, until=t_fault + 0.5)
     # The per-link byte series (10 ms) are kept for the charts of the report, thinned to 50 ms.
     res["timeline"] = timeline(spec, series, t_data or t_start, step_s=0.05)
     if t_fault is not None and t_data is not None:

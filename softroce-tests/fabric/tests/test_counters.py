@@ -1,8 +1,11 @@
-"""Parsers of /proc/net/dev, /proc/net/netstat and tc's JSON."""
+"""Parsers of /proc/net/dev, /proc/net/netstat and tc's JSON; the sampler process."""
 
+import os
+import subprocess
+import time
 import unittest
 
-from prismfab.counters import delta, parse_netdev, parse_netstat, parse_tc_json
+from prismfab.counters import Sampler, delta, parse_netdev, parse_netstat, parse_tc_json
 
 NETDEV = """Inter-|   Receive                                                |  Transmit
  face |bytes    packets errs drop fifo frame compressed multicast|bytes    packets errs drop fifo colls carrier compressed
@@ -42,3 +45,36 @@ class Parsers(unittest.TestCase):
 
 if __name__ == "__main__":
     unittest.main()
+
+
+class SamplerProcess(unittest.TestCase):
+    def test_the_child_samples_on_time_and_is_gone_after_stop(self):
+        # This process's own namespace stands in for a node: /proc/<pid>/net/dev is readable anywhere.
+        sp = Sampler({"me": os.getpid()}, 0.01).start()
+        child = sp._proc.pid
+        time.sleep(0.3)
+        series = sp.stop()
+        self.assertIsNone(sp.error)
+        self.assertIsNotNone(sp.priority)
+        self.assertGreaterEqual(len(series.t), 10)
+        self.assertEqual(len(series.t), len(series.netdev))
+        self.assertEqual(len(series.t), len(series.no_routes))
+        self.assertEqual(series.t, sorted(series.t))
+        self.assertIn("lo", series.netdev[-1]["me"])
+        g = sp.gaps(since=series.t[1])
+        self.assertEqual(g["interval_ms"], 10.0)
+        self.assertLess(g["median_ms"], 50)
+        self.assertIsNotNone(sp._proc.returncode)
+        self.assertFalse(os.path.exists(f"/proc/{child}/status"), "the sampler process outlived stop()")
+
+    def test_a_node_that_goes_away_ends_sampling_with_an_error_not_a_hang(self):
+        node = subprocess.Popen(["sleep", "30"])
+        sp = Sampler({"node": node.pid}, 0.01).start()
+        node.kill()
+        node.wait()  # reaped: its /proc entry is gone
+        deadline = time.monotonic() + 10
+        while sp.error is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        sp.stop()
+        self.assertIn("No such file", sp.error or "")
+        self.assertIsNotNone(sp._proc.returncode)
