@@ -37,10 +37,28 @@ pub enum Mode {
     Gso,
     /// As `Gso`, from a 64 MiB source buffer into a 64 MiB destination buffer (one copy on receive).
     GsoPlaced,
+    /// As `GsoPlaced` with 1 MiB buffers, which stay in the caches: against `GsoPlaced`, what large
+    /// messages cost a copying transport on this machine's memory system alone.
+    #[value(name = "gso-placed-1m")]
+    #[serde(rename = "gso-placed-1m")]
+    GsoPlaced1m,
 }
 
 /// Source and destination buffer of `Mode::GsoPlaced`.
 pub const PLACED_BUFFER: usize = 64 << 20;
+/// Source and destination buffer of `Mode::GsoPlaced1m`.
+pub const PLACED_BUFFER_SMALL: usize = 1 << 20;
+
+impl Mode {
+    /// The source and destination buffer of a placed mode.
+    pub fn placed_buffer(self) -> Option<usize> {
+        match self {
+            Mode::GsoPlaced => Some(PLACED_BUFFER),
+            Mode::GsoPlaced1m => Some(PLACED_BUFFER_SMALL),
+            Mode::Plain | Mode::Gso => None,
+        }
+    }
+}
 
 /// Largest UDP payload of one message (a GSO train included): 65,535 minus the IPv4 and UDP headers.
 pub const MAX_UDP_PAYLOAD: usize = 65_507;
@@ -149,7 +167,7 @@ pub fn run(cfg: &PumpConfig) -> Result<PumpResult, PumpError> {
     rx.set_read_timeout(Some(IDLE)).map_err(|e| PumpError::Io("SO_RCVTIMEO", e))?;
     let train = match cfg.mode {
         Mode::Plain => 1,
-        Mode::Gso | Mode::GsoPlaced => {
+        Mode::Gso | Mode::GsoPlaced | Mode::GsoPlaced1m => {
             setsockopt(&rx, sockopt::UdpGroSegment, &true).map_err(io("setsockopt(UDP_GRO)"))?;
             train_len(cfg.size)
         }
@@ -201,8 +219,8 @@ fn send(tx: &UdpSocket, cfg: &PumpConfig, train: usize, ready: &Barrier) -> Resu
     let batch = if cfg.mode == Mode::Plain { PLAIN_BATCH } else { GSO_BATCH };
     // Placed: as many batches of trains as fit in the source buffer, sent in turn; else one train,
     // the same bytes every time (cache-hot).
-    let batches = if cfg.mode == Mode::GsoPlaced { (PLACED_BUFFER / (msg_bytes * batch)).max(1) } else { 1 };
-    let positions = if cfg.mode == Mode::GsoPlaced { batches * batch } else { 1 };
+    let batches = cfg.mode.placed_buffer().map_or(1, |b| (b / (msg_bytes * batch)).max(1));
+    let positions = if cfg.mode.placed_buffer().is_some() { batches * batch } else { 1 };
     // Distinct bytes per datagram position, so a receiver could tell them apart (not checked here).
     let payload: Vec<u8> = (0..msg_bytes * positions).map(|i| (i / cfg.size) as u8 ^ (i as u8)).collect();
     let iovs: Vec<[IoSlice<'_>; 1]> = (0..batch * batches)
@@ -246,12 +264,12 @@ fn receive(rx: &UdpSocket, mode: Mode, size: usize, done: &AtomicBool, ready: &B
     let fd = rx.as_raw_fd();
     let (batch, buf_len) = match mode {
         Mode::Plain => (PLAIN_BATCH, size),
-        Mode::Gso | Mode::GsoPlaced => (GSO_BATCH, MAX_UDP_PAYLOAD),
+        Mode::Gso | Mode::GsoPlaced | Mode::GsoPlaced1m => (GSO_BATCH, MAX_UDP_PAYLOAD),
     };
     let mut bufs = vec![vec![0u8; buf_len]; batch];
     // Placed: where the next payload goes in the destination (written through once before the clock
     // starts counting what matters, so that page faults are not the measure).
-    let mut dest = if mode == Mode::GsoPlaced { vec![1u8; PLACED_BUFFER] } else { Vec::new() };
+    let mut dest = mode.placed_buffer().map_or_else(Vec::new, |b| vec![1u8; b]);
     let mut at = 0usize;
     let cmsg_space = if mode != Mode::Plain { Some(nix::cmsg_space!(i32)) } else { None };
     let mut hdrs = MultiHeaders::<SockaddrIn>::preallocate(batch, cmsg_space);
@@ -311,6 +329,7 @@ pub fn describe(r: &PumpResult) -> String {
             Mode::Plain => "plain",
             Mode::Gso => "gso",
             Mode::GsoPlaced => "gso-placed",
+            Mode::GsoPlaced1m => "gso-placed-1m",
         },
         r.datagram_bytes,
         r.train,
@@ -337,8 +356,8 @@ mod tests {
     }
 
     #[test]
-    fn both_modes_deliver_bytes_over_loopback() {
-        for mode in [Mode::Plain, Mode::Gso, Mode::GsoPlaced] {
+    fn every_mode_delivers_bytes_over_loopback() {
+        for mode in [Mode::Plain, Mode::Gso, Mode::GsoPlaced, Mode::GsoPlaced1m] {
             let cfg = PumpConfig { size: 8972, mode, duration: Duration::from_millis(200), max_bytes: 64 << 20, sockbuf: 4 << 20 };
             let r = run(&cfg).unwrap();
             assert!(r.received_bytes > 0, "{mode:?}: nothing received");
