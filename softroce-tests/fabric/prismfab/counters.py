@@ -1,9 +1,9 @@
 """Counters of the fabric: interface bytes and packets, IP no-route drops, qdisc backlog and drops.
 
 Interface counters are read from ``/proc/<pid>/net/dev`` of a process inside each node (a node's shell):
-that file shows the network namespace of the process, so one thread can sample every node every few
-milliseconds without entering a namespace (a process of its own, see ``Sampler``). Qdisc statistics need
-``tc``; they are read far less often.
+that file shows the network namespace of the process, so one process (``Sampler``'s) can sample every
+node every few milliseconds without entering a namespace. Qdisc statistics need ``tc``; they are read
+far less often.
 
   python3 -m prismfab.counters --sample INTERVAL_S NODES_JSON   (the sampler process; stops when stdin closes)
 """
@@ -153,7 +153,11 @@ class Sampler:
                 if "error" in msg:  # a node went away: the run is being torn down
                     self.error = msg["error"]
                 continue
-            t, nd, nr = msg
+            try:
+                t, nd, nr = msg
+            except (TypeError, ValueError):
+                self.error = f"sampler: unexpected line {line[:80]!r}"
+                continue
             self._append(t, nd, nr)
 
     def start(self) -> "Sampler":
@@ -195,7 +199,8 @@ class Sampler:
         series or the samples between `since` and `until`; and the scheduling the sampler got."""
         t = [x for x in self.series.t if (since is None or x >= since) and (until is None or x <= until)]
         d = sorted(b - a for a, b in zip(t, t[1:]))
-        out: dict = {"samples": len(t), "interval_ms": round(self.interval_s * 1000, 3), "priority": self.priority}
+        out: dict = {"samples": len(t), "interval_ms": round(self.interval_s * 1000, 3), "priority": self.priority,
+                     "error": self.error, "exit": self._proc.returncode if self._proc is not None else None}
         if d:
             out.update(median_ms=round(1000 * d[len(d) // 2], 2), p99_ms=round(1000 * d[min(len(d) - 1, int(0.99 * len(d)))], 2),
                        max_ms=round(1000 * d[-1], 2))
@@ -243,9 +248,11 @@ def _sample_loop(interval_s: float, nodes: dict[str, int]) -> int:
             return 0
         nxt += interval_s
         delay = nxt - time.monotonic()
-        if delay < 0:  # fell behind: do not try to catch up in a burst
+        if delay < 0:
+            # Fell behind: do not try to catch up in a burst, and never run back to back (this process
+            # has real-time priority: a loop without sleep would take a core from the ranks).
             nxt = time.monotonic()
-            delay = 0
+            delay = interval_s / 5
         if select.select([sys.stdin], [], [], delay)[0]:
             return 0  # stdin readable: closed by the runner
 

@@ -64,6 +64,7 @@ class SamplerProcess(unittest.TestCase):
         g = sp.gaps(since=series.t[1])
         self.assertEqual(g["interval_ms"], 10.0)
         self.assertLess(g["median_ms"], 50)
+        self.assertEqual((g["exit"], g["error"]), (0, None))
         self.assertIsNotNone(sp._proc.returncode)
         self.assertFalse(os.path.exists(f"/proc/{child}/status"), "the sampler process outlived stop()")
 
