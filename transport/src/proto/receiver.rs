@@ -112,6 +112,9 @@ pub(crate) struct RxState {
     started_subs: usize,
     /// When DATA was last accepted into a receive.
     data_at: Micros,
+    /// Doublings of the CTS timeout that carry over to every CTS until one sent once is acknowledged
+    /// (RFC 6298 5.5 and 5.7, across CTS: see `Connection::cts_backoff`).
+    cts_shift: u32,
 }
 
 impl RxState {
@@ -130,6 +133,7 @@ impl RxState {
             spurious: false,
             started_subs: 0,
             data_at: 0,
+            cts_shift: 0,
         }
     }
 
@@ -212,6 +216,7 @@ impl Connection {
         for g in rx.groups.iter().filter(|g| g.seq >= rx.cts_acked && g.seq < ack) {
             if let (0, Some(at)) = (g.cts_retries, g.cts_sent_at) {
                 self.ctl_rtt.sample(now.saturating_sub(at));
+                rx.cts_shift = 0;
             }
         }
         rx.cts_acked = ack;
@@ -226,7 +231,7 @@ impl Connection {
             .groups
             .range(first..)
             .filter(|g| !g.cts_queued)
-            .filter_map(|g| g.cts_sent_at.map(|at| at.saturating_add(self.cts_backoff(rto, g.cts_retries))))
+            .filter_map(|g| g.cts_sent_at.map(|at| at.saturating_add(self.cts_backoff(rto, g.cts_retries.max(self.rx.cts_shift)))))
             .min()
     }
 
@@ -250,6 +255,16 @@ impl Connection {
         }
     }
 
+    /// The timeout `rto` doubled `retries` times (the caller passes the larger of the CTS's own
+    /// retransmissions and `cts_shift`), at most `rto_max_us`.
+    ///
+    /// The backoff carries over to the next CTS (`cts_shift`) until a CTS sent once is acknowledged,
+    /// as RFC 6298 keeps a backed-off RTO for new segments until a valid sample (Karn's rule takes
+    /// none from a retransmitted CTS). A receiving comm sends no DATA, so its connection RTT comes
+    /// from CTS round trips alone: one estimate taken while the fabric was idle gave every later CTS
+    /// a timeout far below the loaded round trip, each was sent again, none of them could be sampled,
+    /// and the estimate never caught up. On the rail fabric's fault-free alltoall 32-167 of 192 CTS
+    /// went out again.
     fn cts_backoff(&self, rto: u64, retries: u32) -> u64 {
         rto.saturating_mul(1 << retries.min(16)).min(self.cfg.rto_max_us)
     }
@@ -263,11 +278,12 @@ impl Connection {
             let g = &self.rx.groups[i];
             let expired = g.seq >= self.rx.cts_acked
                 && !g.cts_queued
-                && g.cts_sent_at.is_some_and(|at| at.saturating_add(self.cts_backoff(rto, g.cts_retries)) <= now);
+                && g.cts_sent_at.is_some_and(|at| at.saturating_add(self.cts_backoff(rto, g.cts_retries.max(self.rx.cts_shift))) <= now);
             if expired {
                 let g = &mut self.rx.groups[i];
                 g.cts_queued = true;
                 self.rx.cts_queue.push_back(g.seq);
+                self.rx.cts_shift = self.rx.cts_shift.max(g.cts_retries + 1).min(16);
             }
         }
     }
