@@ -1375,8 +1375,8 @@ fn a_cts_lost_twice_is_sent_again_after_two_round_trips_not_the_rto() {
 /// takes no sample from a CTS that went out again. Measured on an idle link (10 µs) and then used on
 /// a loaded one (here 4 ms: the link's delay grows 400-fold), the estimate gave every CTS a timeout
 /// far below the round trip: each went out again (five times, doubling), none gave a sample, and the
-/// estimate never caught up (on the rail fabric's fault-free alltoall 32-167 of 192 CTS went out
-/// again). The doubled timeout now carries over to the next CTS until one sent once is acknowledged
+/// estimate never caught up (on the rail fabric's fault-free alltoall 28-167 of 192 CTS went out
+/// again per policy run). The doubled timeout now carries over to the next CTS until one sent once is acknowledged
 /// (RFC 6298 5.5 and 5.7), so the estimate catches up within a few receives.
 #[test]
 fn a_cts_timeout_backed_off_carries_over_until_a_cts_is_acknowledged_the_first_time() {
