@@ -43,10 +43,6 @@ class Parsers(unittest.TestCase):
         self.assertEqual(delta(a, b), {"lf0": {"x": {"tx_bytes": 15}, "y": {"tx_bytes": 3}}})
 
 
-if __name__ == "__main__":
-    unittest.main()
-
-
 class SamplerProcess(unittest.TestCase):
     def test_the_child_samples_on_time_and_is_gone_after_stop(self):
         # This process's own namespace stands in for a node: /proc/<pid>/net/dev is readable anywhere.
@@ -79,3 +75,7 @@ class SamplerProcess(unittest.TestCase):
         sp.stop()
         self.assertIn("No such file", sp.error or "")
         self.assertIsNotNone(sp._proc.returncode)
+
+
+if __name__ == "__main__":
+    unittest.main()
