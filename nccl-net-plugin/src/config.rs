@@ -180,6 +180,17 @@ mod tests {
     }
 
     #[test]
+    fn every_variable_has_a_row_with_its_default_in_the_readme() {
+        let readme = include_str!("../../README.md");
+        for v in known_vars() {
+            let row = readme.lines().find(|l| l.starts_with(&format!("| `{v}` |")));
+            let Some(row) = row else { panic!("README.md has no row for {v}") };
+            let default = row.split('|').nth(2).map(str::trim).unwrap_or("");
+            assert!(!default.is_empty(), "README.md gives no default for {v}: {row}");
+        }
+    }
+
+    #[test]
     fn the_description_echoes_what_was_set() {
         let cfg = PluginConfig::from_vars(vars(&[("PRISM_PATH", "ecmp"), (STATS_VAR, "out/s-%p.json")])).unwrap();
         let d = cfg.describe();

@@ -42,6 +42,10 @@ pub struct TransportConfig {
     pub ib_gid_index: Option<u8>,
     /// `PRISM_IB_CHUNK`: payload bytes of one verbs DATA packet (one RDMA WRITE).
     pub ib_chunk: u32,
+    /// `PRISM_IB_RECV_DEPTH`: receive WQEs (each with a 1 KiB ring slot) per verbs QP.
+    pub ib_recv_depth: u32,
+    /// `PRISM_IB_SEND_SLOTS`: send ring slots (1 KiB each) per verbs QP.
+    pub ib_send_slots: u32,
     /// `PRISM_CHUNK` (the load-balancing chunk) was set: on verbs it then caps `ib_chunk`;
     /// otherwise the chunk grows to `ib_chunk` there.
     pub lb_chunk_set: bool,
@@ -98,6 +102,8 @@ impl Default for TransportConfig {
             qp: QpType::Uc,
             ib_gid_index: None,
             ib_chunk: 65_536,
+            ib_recv_depth: crate::backend::verbs::RECV_DEPTH as u32,
+            ib_send_slots: crate::backend::verbs::SEND_SLOTS as u32,
             lb_chunk_set: false,
             udp_gso: true,
             udp_gro: true,
@@ -163,6 +169,8 @@ impl TransportConfig {
         "PRISM_QP",
         "PRISM_IB_GID_INDEX",
         "PRISM_IB_CHUNK",
+        "PRISM_IB_RECV_DEPTH",
+        "PRISM_IB_SEND_SLOTS",
         "PRISM_UDP_GSO",
         "PRISM_UDP_GRO",
         "PRISM_UDP_TRAIN",
@@ -230,6 +238,9 @@ impl TransportConfig {
             c.ib_gid_index = Some(g);
         }
         num(vars, "PRISM_IB_CHUNK", 1024, 1 << 24, &mut c.ib_chunk)?;
+        // At least two repost chains deep, so that reposting never waits for the queue to run dry.
+        num(vars, "PRISM_IB_RECV_DEPTH", 2 * crate::backend::verbs::REPOST_BATCH as u32, 16_384, &mut c.ib_recv_depth)?;
+        num(vars, "PRISM_IB_SEND_SLOTS", 16, 8_192, &mut c.ib_send_slots)?;
         c.lb_chunk_set = vars.contains_key("PRISM_CHUNK");
         flag(vars, "PRISM_UDP_GSO", &mut c.udp_gso)?;
         flag(vars, "PRISM_UDP_GRO", &mut c.udp_gro)?;
@@ -254,6 +265,11 @@ impl TransportConfig {
             return Err(bad("PRISM_IB_CHUNK", v, &format!("must be a multiple of {} (NCCL's LL128 line)", crate::wire::LINE_BYTES)));
         }
         Ok(c)
+    }
+
+    /// How deep each verbs connection's QPs are (`PRISM_IB_RECV_DEPTH`, `PRISM_IB_SEND_SLOTS`).
+    pub fn verbs_depths(&self) -> crate::backend::verbs::Depths {
+        crate::backend::verbs::Depths { recv: self.ib_recv_depth as usize, send_slots: self.ib_send_slots as usize }
     }
 
     /// Datagrams of one GSO train (`PRISM_UDP_TRAIN`) on `rails` rails whose datagrams are up to
@@ -373,6 +389,24 @@ mod tests {
             assert!(e.starts_with(&format!("{k}={v}: ")), "{e}");
         }
         assert_eq!(TransportConfig::default().transport, Transport::Auto);
+    }
+
+    #[test]
+    fn verbs_queue_depths_parse_within_bounds_and_size_the_rings() {
+        let d = TransportConfig::default();
+        assert_eq!((d.ib_recv_depth, d.ib_send_slots), (256, 128));
+        assert_eq!(d.verbs_depths().ring_bytes(16), 6 << 20, "16 paths x (256 + 128) x 1 KiB");
+        let c = TransportConfig::from_vars(&vars(&[("PRISM_IB_RECV_DEPTH", "64"), ("PRISM_IB_SEND_SLOTS", "32")])).unwrap();
+        assert_eq!(c.verbs_depths(), crate::backend::verbs::Depths { recv: 64, send_slots: 32 });
+        assert_eq!(c.verbs_depths().ring_bytes(16), 1536 << 10);
+        // Shallower than two repost chains would let the queue run dry before the first repost.
+        for (k, v) in
+            [("PRISM_IB_RECV_DEPTH", "31"), ("PRISM_IB_RECV_DEPTH", "16385"), ("PRISM_IB_SEND_SLOTS", "15"), ("PRISM_IB_SEND_SLOTS", "x")]
+        {
+            let e = TransportConfig::from_vars(&vars(&[(k, v)])).unwrap_err().to_string();
+            assert!(e.starts_with(&format!("{k}={v}: ")), "{e}");
+        }
+        assert!(TransportConfig::VARS.contains(&"PRISM_IB_RECV_DEPTH") && TransportConfig::VARS.contains(&"PRISM_IB_SEND_SLOTS"));
     }
 
     #[test]

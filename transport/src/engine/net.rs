@@ -67,10 +67,15 @@ impl Net {
             let names: Vec<String> =
                 vdevs.iter().map(|d| format!("{} (GID index {}, {}, {})", d.name, d.gid_index, d.ipv4, d.ifname)).collect();
             let why = if cfg.transport == Transport::Verbs { "PRISM_TRANSPORT=verbs" } else { "auto: RDMA device found" };
+            let depths = cfg.verbs_depths();
             tracing::info!(
-                "transport: verbs ({why}; {} {} QPs per rail: {})",
+                "transport: verbs ({why}; {} {} QPs per connection and rail, {} receives and {} send slots each: \
+                 {} KiB of registered rings per connection and rail; {})",
                 cfg.paths,
                 if cfg.qp == QpType::Rc { "RC" } else { "UC" },
+                depths.recv,
+                depths.send_slots,
+                depths.ring_bytes(usize::from(cfg.paths)) >> 10,
                 names.join(", ")
             );
             for (rail, d) in vdevs.into_iter().enumerate() {

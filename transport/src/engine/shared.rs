@@ -103,7 +103,8 @@ impl NetInner {
             return Ok(None);
         }
         let devs: Vec<Arc<VerbsDevice>> = self.rails.iter().filter_map(|r| r.backend.verbs().cloned()).collect();
-        VerbsComm::create(&devs, self.cfg.paths, self.cfg.qp == QpType::Rc, token, &self.proto, connector).map(Some)
+        let depths = self.cfg.verbs_depths();
+        VerbsComm::create(&devs, self.cfg.paths, self.cfg.qp == QpType::Rc, depths, token, &self.proto, connector).map(Some)
     }
 }
 

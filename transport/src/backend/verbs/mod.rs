@@ -23,14 +23,58 @@
 pub use crate::wire::RailPeer;
 pub use device::{probe, MrKeys, VerbsDevice};
 pub use mr::MrCache;
-pub use qp::{PostFail, QpSet, QpStats, RxEvent};
+pub use qp::{PostFail, QpSet, QpStats, RxEvent, REPOST_BATCH};
 
 /// Bytes of one send or receive ring slot: the largest control packet (a keyed CTS) fits.
 pub const SLOT_BYTES: usize = 1024;
-/// Receive WQEs (and ring slots) per QP.
+/// Receive WQEs (and ring slots) per QP by default (`PRISM_IB_RECV_DEPTH`).
 pub const RECV_DEPTH: usize = 256;
-/// Send slots per QP (each DATA packet also takes a WRITE WQE without a slot).
+/// Send slots per QP by default (`PRISM_IB_SEND_SLOTS`; each DATA packet also takes a WRITE WQE
+/// without a slot).
 pub const SEND_SLOTS: usize = 128;
+
+/// How deep one connection's QPs are: receive WQEs (each with a ring slot) and send slots per QP.
+/// Each slot is [`SLOT_BYTES`] of registered memory, so one connection takes
+/// `paths x (recv + send_slots) x SLOT_BYTES` per rail (6 MiB with the defaults and 16 paths).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Depths {
+    /// Receive WQEs (and receive ring slots) per QP.
+    pub recv: usize,
+    /// Send ring slots per QP (at most twice as many send WQEs in flight).
+    pub send_slots: usize,
+}
+
+impl Default for Depths {
+    fn default() -> Self {
+        Self { recv: RECV_DEPTH, send_slots: SEND_SLOTS }
+    }
+}
+
+impl Depths {
+    /// Registered ring bytes of one connection with `paths` QPs on one rail.
+    pub fn ring_bytes(&self, paths: usize) -> usize {
+        paths.max(1) * (self.recv + self.send_slots) * SLOT_BYTES
+    }
+}
+
+/// What a failed QP set creation adds to its error: the connection's registered rings and the
+/// process's `RLIMIT_MEMLOCK` (registration pins memory, and past that limit it fails).
+pub fn memlock_hint(depths: Depths, paths: u16) -> String {
+    use nix::sys::resource::{getrlimit, Resource, RLIM_INFINITY};
+    let limit = match getrlimit(Resource::RLIMIT_MEMLOCK) {
+        Ok((soft, _)) if soft == RLIM_INFINITY => "unlimited".to_string(),
+        Ok((soft, _)) => format!("{} KiB", soft >> 10),
+        Err(e) => format!("unknown ({e})"),
+    };
+    format!(
+        " (each connection registers {} KiB of rings per rail: PRISM_PATHS={paths} x (PRISM_IB_RECV_DEPTH={} + \
+         PRISM_IB_SEND_SLOTS={}) x {} bytes; RLIMIT_MEMLOCK is {limit})",
+        depths.ring_bytes(usize::from(paths)) >> 10,
+        depths.recv,
+        depths.send_slots,
+        SLOT_BYTES
+    )
+}
 /// RC retransmission timeout exponent (4.096 µs · 2^t): TCG guests need ≥ 16 (notes §4).
 pub const RC_TIMEOUT: u8 = 16;
 /// RC retry count (7 = rxe retries for ever, notes §6).
@@ -114,6 +158,14 @@ pub fn psn_of_imm(imm: u32, near: u64) -> (u64, bool) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_failed_creation_names_the_rings_and_the_memlock_limit() {
+        let h = memlock_hint(Depths { recv: 64, send_slots: 32 }, 16);
+        assert!(h.contains("registers 1536 KiB of rings per rail"), "{h}");
+        assert!(h.contains("PRISM_PATHS=16 x (PRISM_IB_RECV_DEPTH=64 + PRISM_IB_SEND_SLOTS=32) x 1024 bytes"), "{h}");
+        assert!(h.contains("RLIMIT_MEMLOCK is "), "{h}");
+    }
 
     #[test]
     fn sport_follows_the_kernel_fold() {

@@ -17,7 +17,7 @@ use crate::wire::RailPeer;
 
 use super::device::VerbsDevice;
 use super::ring::Ring;
-use super::{flow_label, imm_of, udp_sport, VerbsError, RC_RETRY, RC_TIMEOUT, RECV_DEPTH, SEND_SLOTS, SLOT_BYTES};
+use super::{flow_label, imm_of, udp_sport, Depths, VerbsError, RC_RETRY, RC_TIMEOUT, SLOT_BYTES};
 
 /// Counters of one QP (serialized into `PRISM_STATS`).
 #[derive(Debug, Clone, Default, serde::Serialize)]
@@ -58,6 +58,11 @@ pub struct QpStats {
     pub received: u64,
     /// Error completions.
     pub errors: u64,
+    /// Fewest receives this QP had posted when its completions were reaped (before posting the
+    /// consumed ones again): how close its receive queue came to running dry. A WRITE or SEND that
+    /// finds none is dropped on UC (and waits on RC), so a value near 0 asks for a deeper
+    /// `PRISM_IB_RECV_DEPTH`.
+    pub recv_posted_min: u64,
     /// The QP went to the error state or reported an error completion (and is not re-created yet).
     pub dead: bool,
     /// Times the QP was re-created (reset and connected again to the peer's) after it died.
@@ -85,13 +90,15 @@ struct Qp {
     unsignalled: usize,
     /// Receive slots consumed and not posted again yet (posted in chains of [`REPOST_BATCH`]).
     repost: Vec<usize>,
+    /// Receives posted and not yet seen completed.
+    recv_posted: usize,
     stats: QpStats,
 }
 
 /// Consumed receive slots are posted again once this many wait, as one chain (one doorbell): the
-/// receive queue then never has fewer than `RECV_DEPTH - REPOST_BATCH` receives posted, and a slow
-/// link (one completion per poll) no longer costs a doorbell per packet received.
-const REPOST_BATCH: usize = 16;
+/// receive queue then never has fewer than `Depths::recv - REPOST_BATCH` receives posted after a
+/// reap, and a slow link (one completion per poll) no longer costs a doorbell per packet received.
+pub const REPOST_BATCH: usize = 16;
 
 /// A send work request waiting for [`QpSet::flush`].
 #[derive(Clone, Copy)]
@@ -175,6 +182,7 @@ pub struct QpSet {
     send_ring: Ring,
     recv_ring: Ring,
     dev: Arc<VerbsDevice>,
+    depths: Depths,
     rc: bool,
     connected: bool,
     /// The peer's GID on this rail (known once connected).
@@ -182,15 +190,16 @@ pub struct QpSet {
 }
 
 impl QpSet {
-    /// Create `paths` QPs (UC, or RC when `rc`) in INIT with their receives posted; flow labels
-    /// start at `fl_base`.
-    pub fn new(dev: &Arc<VerbsDevice>, paths: u16, rc: bool, fl_base: u32) -> Result<Self, VerbsError> {
+    /// Create `paths` QPs (UC, or RC when `rc`) in INIT with their receives posted, as deep as
+    /// `depths` says; flow labels start at `fl_base`.
+    pub fn new(dev: &Arc<VerbsDevice>, paths: u16, rc: bool, fl_base: u32, depths: Depths) -> Result<Self, VerbsError> {
         let n = paths.max(1) as usize;
-        let send_wr = (2 * SEND_SLOTS) as u32;
+        let Depths { recv: recv_depth, send_slots } = depths;
+        let send_wr = (2 * send_slots) as u32;
         let send_cq = vtry!(dev.ctx.create_cq_builder().setup_cqe(send_wr * n as u32).build(), "create send CQ")?;
-        let recv_cq = vtry!(dev.ctx.create_cq_builder().setup_cqe((RECV_DEPTH * n) as u32).build(), "create recv CQ")?;
-        let send_ring = Ring::new(dev, SEND_SLOTS * n)?;
-        let recv_ring = Ring::new(dev, RECV_DEPTH * n)?;
+        let recv_cq = vtry!(dev.ctx.create_cq_builder().setup_cqe((recv_depth * n) as u32).build(), "create recv CQ")?;
+        let send_ring = Ring::new(dev, send_slots * n)?;
+        let recv_ring = Ring::new(dev, recv_depth * n)?;
         let mut qps = Vec::with_capacity(n);
         for i in 0..n {
             let mut b = dev.pd.create_qp_builder();
@@ -198,7 +207,7 @@ impl QpSet {
                 // UC has no RDMA READ: the default op flags make rxe refuse the QP (note G2).
                 .setup_send_ops_flags(SendOperationFlags::Write | SendOperationFlags::WriteWithImmediate | SendOperationFlags::Send)
                 .setup_max_send_wr(send_wr)
-                .setup_max_recv_wr(RECV_DEPTH as u32)
+                .setup_max_recv_wr(recv_depth as u32)
                 .setup_max_send_sge(1)
                 .setup_max_recv_sge(1)
                 .setup_send_cq(GenericCompletionQueue::from(send_cq.clone()))
@@ -211,7 +220,13 @@ impl QpSet {
                 .setup_access_flags(AccessFlags::LocalWrite | AccessFlags::RemoteWrite);
             vtry!(qp.modify(&a), "QP RESET->INIT")?;
             let fl = flow_label(fl_base, i as u16);
-            let stats = QpStats { qpn: qp.qp_number(), flow_label: fl, udp_sport: udp_sport(fl), ..QpStats::default() };
+            let stats = QpStats {
+                qpn: qp.qp_number(),
+                flow_label: fl,
+                udp_sport: udp_sport(fl),
+                recv_posted_min: recv_depth as u64,
+                ..QpStats::default()
+            };
             let psn = rand::random::<u32>() & 0xFF_FFFF;
             qps.push(Qp {
                 qp,
@@ -225,12 +240,14 @@ impl QpSet {
                 next_seq: 0,
                 unsignalled: 0,
                 repost: Vec::with_capacity(REPOST_BATCH),
+                recv_posted: 0,
                 stats,
             });
         }
-        let mut set = Self { qps, send_cq, recv_cq, send_ring, recv_ring, dev: dev.clone(), rc, connected: false, peer_gid: [0; 16] };
+        let mut set =
+            Self { qps, send_cq, recv_cq, send_ring, recv_ring, dev: dev.clone(), depths, rc, connected: false, peer_gid: [0; 16] };
         for q in 0..n {
-            set.post_recvs(q, q * RECV_DEPTH..(q + 1) * RECV_DEPTH)?;
+            set.post_recvs(q, q * recv_depth..(q + 1) * recv_depth)?;
         }
         Ok(set)
     }
@@ -322,9 +339,12 @@ impl QpSet {
         vtry!(qp.qp.modify(&a), format!("QP {:#x} RESET->INIT", qp.stats.qpn))?;
         qp.psn = rand::random::<u32>() & 0xFF_FFFF;
         let (qpn, psn) = (qp.qp.qp_number(), qp.psn);
-        // Every slot of the QP is posted again below, those waiting to be reposted too.
+        // Every slot of the QP is posted again below, those waiting to be reposted too (RESET
+        // dropped every receive posted).
         qp.repost.clear();
-        self.post_recvs(q, q * RECV_DEPTH..(q + 1) * RECV_DEPTH)?;
+        qp.recv_posted = 0;
+        let d = self.depths.recv;
+        self.post_recvs(q, q * d..(q + 1) * d)?;
         Ok((qpn, psn, drained))
     }
 
@@ -359,7 +379,9 @@ impl QpSet {
             return Ok(());
         }
         qp.stats.recv_doorbells += 1;
-        vtry!(g.post(), "post receive")
+        vtry!(g.post(), "post receive")?;
+        qp.recv_posted += n;
+        Ok(())
     }
 
     /// Number of QPs (entropies on this rail).
@@ -373,7 +395,8 @@ impl QpSet {
             qp.stats.dead_drops += 1;
             return Err(PostFail::Dead);
         }
-        if qp.wrs_in_flight + wrs > 2 * SEND_SLOTS || (slot && qp.slots_in_flight >= SEND_SLOTS) {
+        let slots = self.depths.send_slots;
+        if qp.wrs_in_flight + wrs > 2 * slots || (slot && qp.slots_in_flight >= slots) {
             qp.stats.sq_full += 1;
             return Err(PostFail::Full);
         }
@@ -381,9 +404,10 @@ impl QpSet {
     }
 
     fn take_slot(&mut self, q: usize, bytes: &[u8]) -> usize {
+        let slots = self.depths.send_slots;
         let qp = &mut self.qps[q];
-        let slot = q * SEND_SLOTS + qp.next_slot;
-        qp.next_slot = (qp.next_slot + 1) % SEND_SLOTS;
+        let slot = q * slots + qp.next_slot;
+        qp.next_slot = (qp.next_slot + 1) % slots;
         self.send_ring.slot_mut(slot)[..bytes.len()].copy_from_slice(bytes);
         slot
     }
@@ -394,16 +418,18 @@ impl QpSet {
         if qp.stats.dead || !self.connected {
             return Err(PostFail::Dead);
         }
-        Ok(SEND_SLOTS.saturating_sub(qp.slots_in_flight).min((2 * SEND_SLOTS).saturating_sub(qp.wrs_in_flight)))
+        let slots = self.depths.send_slots;
+        Ok(slots.saturating_sub(qp.slots_in_flight).min((2 * slots).saturating_sub(qp.wrs_in_flight)))
     }
 
     /// Queue a SEND on QP `q` whose bytes `fill` writes into the send slot (at most [`SLOT_BYTES`];
     /// it returns how many it wrote); [`Self::flush`] posts it.
     pub fn post_send_with(&mut self, q: usize, fill: impl FnOnce(&mut [u8]) -> usize) -> Result<(), PostFail> {
         self.check_postable(q, 1, true)?;
+        let slots = self.depths.send_slots;
         let qp = &mut self.qps[q];
-        let slot = q * SEND_SLOTS + qp.next_slot;
-        qp.next_slot = (qp.next_slot + 1) % SEND_SLOTS;
+        let slot = q * slots + qp.next_slot;
+        qp.next_slot = (qp.next_slot + 1) % slots;
         let len = fill(self.send_ring.slot_mut(slot)).min(SLOT_BYTES);
         let qp = &mut self.qps[q];
         qp.queued.push(Wr::Send { slot, len: len as u32 });
@@ -491,7 +517,7 @@ impl QpSet {
                         let h = g.construct_wr(id, flags).setup_send();
                         // SAFETY: the slot is inside the registered send ring, which outlives the
                         // QP; it is not reused before this WR completed (slots_in_flight <
-                        // SEND_SLOTS, completions are FIFO).
+                        // depths.send_slots, completions are FIFO).
                         unsafe { h.setup_sge(ring_lkey, self.send_ring.addr(slot), len) };
                         qp.outstanding.push_back(Out { seq, slot: true, write_psn: None });
                     }
@@ -585,11 +611,12 @@ impl QpSet {
             for &(id, status, opcode, len, imm) in &wcs {
                 let (q, gen, slot) = wr_parts(id);
                 let slot = slot as usize;
-                if q >= self.qps.len() || slot >= RECV_DEPTH * self.qps.len() || gen != self.qps[q].gen {
+                if q >= self.qps.len() || slot >= self.depths.recv * self.qps.len() || gen != self.qps[q].gen {
                     // A receive posted before a reset (flushed): its slot was posted again then.
                     continue;
                 }
                 self.qps[q].stats.recv_cqes += 1;
+                self.qps[q].recv_posted = self.qps[q].recv_posted.saturating_sub(1);
                 if status != WorkCompletionStatus::Success as u32 {
                     let qp = &mut self.qps[q];
                     qp.stats.errors += 1;
@@ -610,6 +637,9 @@ impl QpSet {
                     deliver(RxEvent::Packet(&self.recv_ring.slot(slot)[..n]));
                 }
                 self.qps[q].repost.push(slot);
+            }
+            for qp in &mut self.qps {
+                qp.stats.recv_posted_min = qp.stats.recv_posted_min.min(qp.recv_posted as u64);
             }
             for q in 0..self.qps.len() {
                 if self.qps[q].repost.len() < REPOST_BATCH {
@@ -659,7 +689,7 @@ mod tests {
     fn wr_ids_carry_qp_generation_and_slot_or_sequence() {
         assert_eq!(wr_parts(wr_id(15, 0, 4095)), (15, 0, 4095));
         assert_eq!(wr_parts(wr_id(0, 0, 0)), (0, 0, 0));
-        let top = (RECV_DEPTH * 1024 - 1) as u32;
+        let top = (super::super::RECV_DEPTH * 1024 - 1) as u32;
         assert_eq!(wr_parts(wr_id(1023, 0xffff, top)), (1023, 0xffff, top));
         assert_eq!(wr_parts(wr_id(7, 3, u32::MAX)), (7, 3, u32::MAX), "a full sequence number and the generation survive");
     }

@@ -23,7 +23,7 @@ use self::desc::{DescRx, DescTx};
 use self::fence::{parse_fence, Fences};
 use super::revive::{self, QpCtlRx, Revive};
 use super::TransportError;
-use crate::backend::verbs::{MrKeys, PostFail, QpSet, QpStats, RailPeer, RxEvent, VerbsDevice, SLOT_BYTES};
+use crate::backend::verbs::{Depths, MrKeys, PostFail, QpSet, QpStats, RailPeer, RxEvent, VerbsDevice, SLOT_BYTES};
 use crate::engine::SendBuf;
 use crate::proto::{Connection, MsgId, NoPlacement, PayloadSource, Placer, ProtoConfig};
 use crate::wire::{CtsKeys, CtsPacket, CtsRepr, DataPacket, DataRepr, Header, PacketType, CTS_MAX_KEY_RAILS, DATA_HEADER_LEN};
@@ -31,8 +31,6 @@ use crate::wire::{DescRepr, FragRepr, QP_CTL_LEN};
 
 /// Most packets one transmit call posts (keeps test() short).
 const MAX_TX: usize = 256;
-/// Send slots per QP fragments leave free for control packets.
-const FRAG_SLOT_RESERVE: usize = crate::backend::verbs::SEND_SLOTS / 4;
 /// Keyed CTS kept per connection (older ones are long matched).
 const MAX_REMOTE_CTS: usize = 1024;
 
@@ -97,6 +95,8 @@ struct BufMem {
 pub(crate) struct VerbsComm {
     pub rails: Vec<QpSet>,
     paths: u16,
+    /// Send slots per QP fragments leave free for control packets (a quarter of them).
+    frag_slot_reserve: usize,
     /// Sender: keyed CTS by sequence number.
     remote: BTreeMap<u64, CtsRepr>,
     /// Receiver: which receive each CTS sequence number stands for (proto numbers its CTS 0, 1, 2,
@@ -153,20 +153,20 @@ impl VerbsComm {
         devs: &[Arc<VerbsDevice>],
         paths: u16,
         rc: bool,
+        depths: Depths,
         token: u64,
         proto: &ProtoConfig,
         connector: bool,
     ) -> Result<Self, TransportError> {
         let max_payload = proto.max_payload;
         let base = crate::backend::verbs::flow_label_base(token, paths);
-        let rails = devs
-            .iter()
-            .map(|d| QpSet::new(d, paths, rc, base))
-            .collect::<Result<Vec<_>, _>>()
-            .map_err(|e| TransportError::ConnectionFailed(format!("creating QPs: {e}")))?;
+        let rails = devs.iter().map(|d| QpSet::new(d, paths, rc, base, depths)).collect::<Result<Vec<_>, _>>().map_err(|e| {
+            TransportError::ConnectionFailed(format!("creating QPs: {e}{}", crate::backend::verbs::memlock_hint(depths, paths)))
+        })?;
         Ok(Self {
             rails,
             paths: paths.max(1),
+            frag_slot_reserve: depths.send_slots / 4,
             remote: BTreeMap::new(),
             recv_seq: HashMap::new(),
             next_recv_seq: 0,
@@ -397,7 +397,7 @@ impl VerbsComm {
     /// Post the fragments of waiting retransmissions, in order, as far as send slots allow. One
     /// whose send or QP went away is dropped (proto resends it elsewhere, or the send is over).
     fn post_bounces(&mut self, sends: &HashMap<MsgId, Box<dyn SendBuf>>) {
-        let Self { bounce_tx, rails, reasm, .. } = self;
+        let Self { bounce_tx, rails, reasm, frag_slot_reserve, .. } = self;
         let c = &mut reasm.counters;
         while let Some(b) = bounce_tx.pending.front_mut() {
             let end = b.send_off.checked_add(u64::from(b.hdr.pkt_len));
@@ -410,7 +410,7 @@ impl VerbsComm {
             };
             // Fragments leave a quarter of the QP's send slots to control packets (a CTS or SACK
             // must not wait behind a retransmission's 74 fragments).
-            for _ in 0..room.saturating_sub(FRAG_SLOT_RESERVE) {
+            for _ in 0..room.saturating_sub(*frag_slot_reserve) {
                 if b.hdr.frag_off >= b.hdr.pkt_len {
                     break;
                 }
