@@ -78,6 +78,9 @@ impl Net {
                 depths.ring_bytes(usize::from(cfg.paths)) >> 10,
                 names.join(", ")
             );
+            if let Some(w) = super::vcomm::shallow_receive_queue(depths.recv, cfg.ib_chunk) {
+                tracing::warn!("{w}");
+            }
             for (rail, d) in vdevs.into_iter().enumerate() {
                 // Verbs device names are unique (one entry per device), so the names need no suffix.
                 let p = sysfs::verbs_placement(std::path::Path::new(sysfs::SYSFS), &d.name, 1, &d.ifname, rail);

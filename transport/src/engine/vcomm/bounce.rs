@@ -60,6 +60,23 @@ pub(super) fn frag_count(len: u32) -> usize {
     (len as usize).div_ceil(FRAG_PAYLOAD).max(1)
 }
 
+/// Why `depth` receives per QP are too few for packets of `pkt_len` bytes, if they are: one
+/// retransmitted packet is [`frag_count`] SENDs on one QP, each taking a receive, and the receiver
+/// posts consumed ones again only in chains of `REPOST_BATCH`; a burst that finds the queue empty is
+/// dropped on UC (Soft-RoCE with 32 receives per QP lost 13-19 % of the fragments of a rail failure's
+/// retransmissions) and waits on RC.
+pub(crate) fn shallow_receive_queue(depth: usize, pkt_len: u32) -> Option<String> {
+    let need = frag_count(pkt_len) + crate::backend::verbs::REPOST_BATCH;
+    (depth < need).then(|| {
+        format!(
+            "PRISM_IB_RECV_DEPTH={depth} is below what one retransmitted {pkt_len}-byte packet needs on its QP \
+             ({} fragments + {} for reposting = {need}): retransmissions may lose fragments on UC",
+            frag_count(pkt_len),
+            crate::backend::verbs::REPOST_BATCH
+        )
+    })
+}
+
 /// Payload bytes of the fragment at `frag_off` of a packet of `pkt_len` bytes (sender and receiver
 /// cut alike: every fragment but the last carries [`FRAG_PAYLOAD`]).
 pub(super) fn frag_len(pkt_len: u32, frag_off: u32) -> u32 {
@@ -231,6 +248,16 @@ impl Reassembly {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_receive_queue_shallower_than_one_packets_fragments_is_named() {
+        assert_eq!(frag_count(65_536), 74);
+        assert_eq!(shallow_receive_queue(256, 65_536), None);
+        assert_eq!(shallow_receive_queue(90, 65_536), None, "74 fragments + 16");
+        let w = shallow_receive_queue(89, 65_536).expect("one short");
+        assert!(w.starts_with("PRISM_IB_RECV_DEPTH=89 is below") && w.contains("(74 fragments + 16 for reposting = 90)"), "{w}");
+        assert!(shallow_receive_queue(32, 8_192).is_none(), "10 fragments + 16 fit in 32");
+    }
 
     const PKT: u32 = 65536;
 

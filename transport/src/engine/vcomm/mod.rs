@@ -14,6 +14,7 @@ use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::sync::Arc;
 
 mod bounce;
+pub(crate) use bounce::shallow_receive_queue;
 mod desc;
 mod fence;
 mod recreate;
