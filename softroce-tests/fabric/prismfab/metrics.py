@@ -43,6 +43,37 @@ def rail_bytes(spec: TopologySpec, d: dict) -> list[dict]:
     return out
 
 
+def link_time(spec: TopologySpec, rails: list[dict], links: list[dict], passes: int) -> dict:
+    """How long each link needed, per pass of the collective, for the bytes it really carried (frames
+    as the interface counters count them: headers, acknowledgements, probes and retransmissions
+    included), at its shaped rate; the busiest link of the run and the busiest of each kind. `passes`
+    is how many times the collective ran while the counters counted (warm-up, timed and check
+    iterations: the counters cover the whole run). The run's CCT over the busiest link's time is how
+    much of the time that link stood idle (1.0: never); the busiest link's time over the lower bound
+    is what the bytes the bound leaves out and uneven spreading cost."""
+    n = max(1, passes)
+    host_bps = spec.host_bw_mbit * 1e6 / 8
+    spine_bps = spec.spine_bw_mbit * 1e6 / 8
+    cands = []
+    for x in rails:
+        cands.append(("host_send", f"h{x['host']}-r{x['rail']} tx", x.get("tx_bytes", 0), host_bps))
+        cands.append(("host_recv", f"h{x['host']}-r{x['rail']} rx", x.get("rx_bytes", 0), host_bps))
+    for x in links:
+        cands.append(("spine_up", f"{leaf_name(x['leaf'])}-{spine_name(x['spine'])} up", x.get("up_bytes", 0), spine_bps))
+        cands.append(("spine_down", f"{spine_name(x['spine'])}-{leaf_name(x['leaf'])} down", x.get("down_bytes", 0), spine_bps))
+    by_kind: dict[str, dict] = {}
+    busiest = None
+    for kind, name, total, bps in cands:
+        if bps <= 0:
+            continue
+        e = {"link": name, "kind": kind, "bytes_per_pass": total / n, "seconds": total / n / bps}
+        if kind not in by_kind or e["seconds"] > by_kind[kind]["seconds"]:
+            by_kind[kind] = e
+        if busiest is None or e["seconds"] > busiest["seconds"]:
+            busiest = e
+    return {"passes": n, "busiest": busiest, "by_kind": by_kind}
+
+
 def spine_links(spec: TopologySpec, d: dict) -> list[dict]:
     """Per leaf-spine link: bytes up (leaf to spine, the leaf's transmit counter) and down (spine to leaf,
     the spine's transmit counter)."""

@@ -239,6 +239,29 @@ def series(rate_dead, rate_other, n=200, dt=0.01):
     return t, dead, total
 
 
+class LinkTime(unittest.TestCase):
+    def test_busiest_link_per_pass_at_its_rate(self):
+        spec = TopologySpec(hosts=2, rails=1, spines=2, host_bw_mbit=200, spine_bw_mbit=100)
+        rails = [{"host": 0, "rail": 0, "tx_bytes": 4 * 25_000_000, "rx_bytes": 0},
+                 {"host": 1, "rail": 0, "tx_bytes": 0, "rx_bytes": 4 * 20_000_000}]
+        links = [{"leaf": 0, "spine": 0, "up_bytes": 4 * 15_000_000, "down_bytes": 0},
+                 {"leaf": 0, "spine": 1, "up_bytes": 4 * 10_000_000, "down_bytes": 4 * 1_000_000}]
+        lt = metrics.link_time(spec, rails, links, 4)
+        # 25 MB per pass at 25 MB/s (200 Mbit/s) against 15 MB at 12.5 MB/s: the spine link is busier.
+        self.assertEqual(lt["busiest"]["kind"], "spine_up")
+        self.assertAlmostEqual(lt["busiest"]["seconds"], 1.2)
+        self.assertAlmostEqual(lt["by_kind"]["host_send"]["seconds"], 1.0)
+        self.assertAlmostEqual(lt["by_kind"]["host_recv"]["seconds"], 0.8)
+        self.assertAlmostEqual(lt["by_kind"]["spine_down"]["bytes_per_pass"], 1_000_000)
+        self.assertEqual(lt["passes"], 4)
+
+    def test_no_traffic_and_zero_passes(self):
+        spec = TopologySpec(hosts=1, rails=1, spines=1, host_bw_mbit=100, spine_bw_mbit=100)
+        lt = metrics.link_time(spec, [{"host": 0, "rail": 0, "tx_bytes": 0, "rx_bytes": 0}], [], 0)
+        self.assertEqual(lt["passes"], 1)
+        self.assertEqual(lt["busiest"]["seconds"], 0.0)
+
+
 class Recovery(unittest.TestCase):
     def test_policy_that_leaves_the_dead_path_recovers_after_the_time_it_took(self):
         # 10 packets per 10 ms into the dead path until 0.8 s; fault at 0.5 s; the rest runs to 1.99 s.
