@@ -61,6 +61,7 @@ def run_row(r: dict, base: dict | None) -> dict:
         "cct_ms": fmt_ms(r.get("cct_s")),
         "bound_ms": fmt_ms((r.get("lower_bound") or {}).get("seconds")),
         "cct_over_bound": "-" if not r.get("cct_over_bound") else f"{r['cct_over_bound']:.2f}",
+        "link_split": link_split_cell(r),
         "vs_no_fault": "-" if ratio is None else f"{ratio:.2f}",
         "fault_bound": fault_bound_cell(r, base),
         "spine_imbalance": fmt_pct(bal.get("spine_imbalance")),
@@ -75,6 +76,15 @@ def run_row(r: dict, base: dict | None) -> dict:
         "rtt_ms": fmt_ms(metrics.run_rtt_s(r)),
         "ttr_ms": ttr,
     }
+
+
+def link_split_cell(r: dict) -> str:
+    """CCT/bound split in two: the busiest link's time for what it carried over the bound (headers,
+    control and uneven spreading), times CCT over that time (how long the link stood idle)."""
+    lb, cl = r.get("link_time_over_bound"), r.get("cct_over_link_time")
+    if not lb or not cl:
+        return "-"
+    return f"{lb:.2f} x {cl:.2f} ({r['link_time']['busiest']['link']})"
 
 
 def revival_text(r: dict, base: dict | None) -> str:
@@ -99,6 +109,7 @@ def revival_text(r: dict, base: dict | None) -> str:
 
 COLUMNS = [("workload", "workload"), ("policy", "policy"), ("fault", "fault"), ("ok", "data ok"),
            ("cct_ms", "CCT ms"), ("bound_ms", "bound ms"), ("cct_over_bound", "CCT/bound"),
+           ("link_split", "= busiest link's bytes/bound x CCT/its time (link)"),
            ("vs_no_fault", "CCT/no-fault"),
            ("fault_bound", "bound under the fault ms (least CCT/no-fault it allows; CCT over it)"), ("spine_imbalance", "spine imbalance"),
            ("uplink_imbalance", "worst leaf uplink imbalance"), ("moment_imbalance", "same, per 100 ms"),

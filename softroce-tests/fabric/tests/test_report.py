@@ -35,6 +35,13 @@ class Table(unittest.TestCase):
         self.assertEqual(row["vs_no_fault"], "1.50")
         self.assertEqual(row["ttr_ms"], "20.0 / 50.0")
 
+    def test_link_split_shows_bytes_and_idle_parts_of_cct_over_bound(self):
+        r = run("spray", 0.55)
+        self.assertEqual(report.run_row(r, None)["link_split"], "-", "runs from before link_time")
+        r.update({"link_time": {"busiest": {"link": "lf0-sp1 up", "seconds": 0.525}},
+                  "link_time_over_bound": 1.05, "cct_over_link_time": 0.55 / 0.525})
+        self.assertEqual(report.run_row(r, None)["link_split"], "1.05 x 1.05 (lf0-sp1 up)")
+
     def test_never_drained_says_so(self):
         runs = [run("spray", 1.0), run("spray", 1.5, fault="blackhole", ttr=None)]
         self.assertEqual(report.run_row(runs[1], runs[0])["ttr_ms"], "never / never")
