@@ -146,12 +146,15 @@ def evaluate(scn: Scenario, runs: list[dict]) -> list[Check]:
             limit = fault.cct_ratio_max if fault.cct_ratio_max is not None else c.cct_ratio_max
             ok = bool(r["ok"]) and ratio is not None and ratio < limit
             rr = rec.get("reroute_s")
-            rec_txt = ((f"bulk off the dead path after {1000 * rr:.0f} ms" if rr is not None
-                        else "the bulk never left the dead path") + "; "
+            # By packets: a PING probing the dead path or a SACK weighs as much as a DATA packet (the
+            # bytes-based figures follow).
+            rec_txt = ("by packets (a probe or SACK counts as one DATA packet): "
+                       + (f"bulk off the dead path after {1000 * rr:.0f} ms" if rr is not None
+                          else "the bulk never left the dead path") + "; "
                        + (f"last packet into it {1000 * ttr:.0f} ms after the fault" if rec.get("recovered") and ttr is not None
                           else "packets entered it until the end")
                        + (f"; from 0.5 s after the fault it still got {100 * rec['residual_share']:.0f} % of its "
-                          f"earlier rate" if rec.get("residual_share") is not None else "")) if rec else "no recovery data"
+                          f"earlier packet rate" if rec.get("residual_share") is not None else "")) if rec else "no recovery data"
             x = recovery_in_rtts(r, base)
             floor = metrics.fault_floor(r, base)
             if floor is not None:

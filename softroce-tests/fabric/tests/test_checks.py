@@ -81,6 +81,7 @@ class Acceptance(unittest.TestCase):
         c = by_name(checks.evaluate(self.scn, runs))["fault.blackhole.pro"]
         self.assertFalse(c.ok)
         self.assertIn("x2.0", c.detail)
+        self.assertIn("by packets (a probe or SACK counts as one DATA packet): bulk off the dead path after 100 ms", c.detail)
 
     def test_the_floor_the_fault_allows_is_reported_next_to_the_ratio(self):
         runs = [r for r in good_runs() if r["label"] != "alltoall_f/reps/blackhole"]
