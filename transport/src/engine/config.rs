@@ -260,6 +260,30 @@ impl TransportConfig {
                 &format!("with PRISM_PATHS={} the ports run past 65535 (at most {})", c.paths, 65_536 - u32::from(c.paths)),
             ));
         }
+        // Registration pins the rings; a connection that would pin more than this is a typo, not a
+        // plan (PRISM_PATHS=1024 with the defaults is 384 MiB).
+        const MAX_RING_BYTES: usize = 1 << 30;
+        let ring = c.verbs_depths().ring_bytes(usize::from(c.paths));
+        if ring > MAX_RING_BYTES {
+            let (var, v) = if vars.contains_key("PRISM_IB_RECV_DEPTH") {
+                ("PRISM_IB_RECV_DEPTH", c.ib_recv_depth)
+            } else {
+                ("PRISM_IB_SEND_SLOTS", c.ib_send_slots)
+            };
+            return Err(bad(
+                var,
+                &v.to_string(),
+                &format!(
+                    "with PRISM_PATHS={}, PRISM_IB_RECV_DEPTH={} and PRISM_IB_SEND_SLOTS={} each verbs connection would pin {} MiB \
+                     of rings per rail (at most {} MiB)",
+                    c.paths,
+                    c.ib_recv_depth,
+                    c.ib_send_slots,
+                    ring >> 20,
+                    MAX_RING_BYTES >> 20
+                ),
+            ));
+        }
         if !(c.ib_chunk as usize).is_multiple_of(crate::wire::LINE_BYTES) {
             let v = vars.get("PRISM_IB_CHUNK").map_or("", String::as_str);
             return Err(bad("PRISM_IB_CHUNK", v, &format!("must be a multiple of {} (NCCL's LL128 line)", crate::wire::LINE_BYTES)));
@@ -407,6 +431,14 @@ mod tests {
             assert!(e.starts_with(&format!("{k}={v}: ")), "{e}");
         }
         assert!(TransportConfig::VARS.contains(&"PRISM_IB_RECV_DEPTH") && TransportConfig::VARS.contains(&"PRISM_IB_SEND_SLOTS"));
+        // Each bound alone is fine; together with many paths they would pin gigabytes per connection.
+        assert!(TransportConfig::from_vars(&vars(&[("PRISM_PATHS", "1024")])).is_ok(), "384 MiB");
+        let e = TransportConfig::from_vars(&vars(&[("PRISM_PATHS", "1024"), ("PRISM_IB_RECV_DEPTH", "4096")])).unwrap_err().to_string();
+        assert_eq!(
+            e,
+            "PRISM_IB_RECV_DEPTH=4096: with PRISM_PATHS=1024, PRISM_IB_RECV_DEPTH=4096 and PRISM_IB_SEND_SLOTS=128 each verbs \
+             connection would pin 4224 MiB of rings per rail (at most 1024 MiB)"
+        );
     }
 
     #[test]
