@@ -638,7 +638,8 @@ impl QpSet {
                 }
                 self.qps[q].repost.push(slot);
             }
-            for qp in &mut self.qps {
+            // A QP that died had its receives flushed: that is not a queue running dry.
+            for qp in self.qps.iter_mut().filter(|qp| !qp.stats.dead) {
                 qp.stats.recv_posted_min = qp.stats.recv_posted_min.min(qp.recv_posted as u64);
             }
             for q in 0..self.qps.len() {
