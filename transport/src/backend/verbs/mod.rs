@@ -44,12 +44,6 @@ pub struct Depths {
     pub send_slots: usize,
 }
 
-impl Default for Depths {
-    fn default() -> Self {
-        Self { recv: RECV_DEPTH, send_slots: SEND_SLOTS }
-    }
-}
-
 impl Depths {
     /// Registered ring bytes of one connection with `paths` QPs on one rail.
     pub fn ring_bytes(&self, paths: usize) -> usize {
