@@ -227,12 +227,7 @@ impl Connection {
     pub(super) fn cts_deadline(&self) -> Option<Micros> {
         let rto = self.cts_timeout();
         let first = self.rx.first_unacked_group();
-        self.rx
-            .groups
-            .range(first..)
-            .filter(|g| !g.cts_queued)
-            .filter_map(|g| g.cts_sent_at.map(|at| at.saturating_add(self.cts_backoff(rto, g.cts_retries.max(self.rx.cts_shift)))))
-            .min()
+        self.rx.groups.range(first..).filter(|g| !g.cts_queued).filter_map(|g| self.cts_due(g, rto)).min()
     }
 
     /// How long a CTS waits for its acknowledgement before it is sent again: the sender acknowledges
@@ -253,6 +248,12 @@ impl Connection {
             Some(srtt) => (2 * srtt + self.cfg.sack_delay_us).clamp(1, rto),
             None => rto,
         }
+    }
+
+    /// When group `g`'s CTS, if sent, is due again: its send time plus the timeout `rto` backed off
+    /// by [`Self::cts_backoff`].
+    fn cts_due(&self, g: &RecvGroup, rto: u64) -> Option<Micros> {
+        g.cts_sent_at.map(|at| at.saturating_add(self.cts_backoff(rto, g.cts_retries.max(self.rx.cts_shift))))
     }
 
     /// The timeout `rto` doubled `retries` times (the caller passes the larger of the CTS's own
@@ -276,9 +277,7 @@ impl Connection {
         let first = self.rx.first_unacked_group();
         for i in first..self.rx.groups.len() {
             let g = &self.rx.groups[i];
-            let expired = g.seq >= self.rx.cts_acked
-                && !g.cts_queued
-                && g.cts_sent_at.is_some_and(|at| at.saturating_add(self.cts_backoff(rto, g.cts_retries.max(self.rx.cts_shift))) <= now);
+            let expired = g.seq >= self.rx.cts_acked && !g.cts_queued && self.cts_due(g, rto).is_some_and(|due| due <= now);
             if expired {
                 let g = &mut self.rx.groups[i];
                 g.cts_queued = true;
