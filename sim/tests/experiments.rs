@@ -51,10 +51,13 @@ fn seed_000_reps_on_hashing_switches_keeps_up_with_the_balanced_reference_where_
     let global = cct(&r, "REPS on path-id switches + MPRDMA", false);
     assert!(reps < 1.05 * balanced, "seed {seed}: REPS {reps} µs vs the balanced reference {balanced} µs");
     assert!(spray > 1.2 * reps, "seed {seed}: random spraying {spray} µs vs REPS {reps} µs");
-    // Global path ids herd. Since a packet overdue on other paths makes its path suspect after
-    // SRTT + 2 RTTVAR instead of + 4 (issue 12) the herding variant finishes sooner: 1.15x REPS on
-    // this k = 6 tree (1.31x before), 2.07x at full scale (`docs/sim-results.md`).
-    assert!(global > 1.1 * reps, "seed {seed}: REPS with global path ids {global} µs vs REPS {reps} µs");
+    // Global path ids herd: 1.88x REPS at full scale (`docs/sim-results.md`). On this k = 6 tree
+    // the margin is small since a suspicion no longer dates a failure episode anew right after
+    // another suspicion proved false (1.03x; 1.15x before, 1.31x before a packet overdue on other
+    // paths made its path suspect after SRTT + 2 RTTVAR instead of + 4): the herding paths' queues
+    // no longer herd the rest onto the few paths proven since. The run is deterministic; what is
+    // asserted here is the direction.
+    assert!(global > reps, "seed {seed}: REPS with global path ids {global} µs vs REPS {reps} µs");
 }
 
 #[test]
@@ -82,6 +85,27 @@ fn seed_000_destination_rotation_queues_grow_slower_with_message_size_than_rando
     assert!(slope("host DR") < slope("host spray"), "seed {seed}: DR slope {} vs spray slope {}", slope("host DR"), slope("host spray"));
     assert!(slope("OFAN") < slope("host spray"), "seed {seed}: {:?}", r.queue_slope);
     assert!(slope("host spray") > 0.3, "seed {seed}: spraying's queue grows with m: {:?}", r.queue_slope);
+}
+
+#[test]
+fn seed_000_random_spraying_of_a_4_mib_permutation_keeps_to_every_path_under_congestion() {
+    // The full-size permutation (k = 8, 128 hosts, 64 entropies a connection), host spraying at
+    // 4 MiB only: about a second in release. Packets late behind queues make paths suspect all the
+    // time; when every suspicion dated the failure episode anew, new packets kept to the few paths
+    // proven since then, whose queues overflowed: 2.1x the bound with 800 KB queues and timeouts,
+    // where 1.2x is what spraying does (`docs/sim-results.md`). Not visible at the CI version's
+    // k = 4 and 2 MiB (1.28x either way).
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("scenarios").join("000-queue-growth.json");
+    let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    let mut sc = Scenario::from_json(&text).expect("scenario");
+    sc.schemes.retain(|s| s.name == "host spray");
+    sc.sizes = vec![4 << 20];
+    let r = run_scenario(&sc, false, false).unwrap_or_else(|e| panic!("seed {}: {e}", sc.seed));
+    assert_eq!(r.runs.len(), 2);
+    for run in &r.runs {
+        assert!(run.completed, "seed {}: did not finish", run.seed);
+        assert!(run.cct_us < 1.4 * run.bound_us, "seed {}: CCT {} µs vs bound {} µs", run.seed, run.cct_us, run.bound_us);
+    }
 }
 
 #[test]
