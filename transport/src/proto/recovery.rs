@@ -58,7 +58,8 @@ const DELAY_CONGESTION_SLACK_US: u64 = 50;
 /// 1.4-3.2 RTTs under PRO and DR); with two, 0.5-2.1 under every policy, and fault-free runs no
 /// slower (1.04-1.11x the bound). None at all was as quick but cost REPS its lead over the
 /// balanced reference in the simulator's k = 6 fat tree (686 against 638 µs; with two 635 against
-/// 627), where random spraying got faster with two (1,166 -> 783 µs).
+/// 627), where random spraying got faster with two (1,166 -> 783 µs). Suspicions this quick come
+/// often under congestion: they must not each date the failure episode anew (`Paths::set_health`).
 const SUSPECT_RTTVARS: u64 = 2;
 
 /// Smallest reordering window, µs: the clock's granularity.
