@@ -54,9 +54,9 @@ fn seed_000_reps_on_hashing_switches_keeps_up_with_the_balanced_reference_where_
     // Global path ids herd: 1.88x REPS at full scale (`docs/sim-results.md`). On this k = 6 tree
     // the margin is small since a suspicion no longer dates a failure episode anew right after
     // another suspicion proved false (1.03x; 1.15x before, 1.31x before a packet overdue on other
-    // paths made its path suspect after SRTT + 2 RTTVAR instead of + 4): the herding paths' queues
-    // no longer herd the rest onto the few paths proven since. The run is deterministic; what is
-    // asserted here is the direction.
+    // paths made its path suspect after SRTT + 2 RTTVAR instead of + 4): suspicions from the herded
+    // paths' queues no longer squeeze new packets onto the few paths proven since. The run is
+    // deterministic; what is asserted here is the direction.
     assert!(global > reps, "seed {seed}: REPS with global path ids {global} µs vs REPS {reps} µs");
 }
 
@@ -94,7 +94,7 @@ fn seed_000_random_spraying_of_a_4_mib_permutation_keeps_to_every_path_under_con
     // time; when every suspicion dated the failure episode anew, new packets kept to the few paths
     // proven since then, whose queues overflowed: 2.1x the bound with 800 KB queues and timeouts,
     // where 1.2x is what spraying does (`docs/sim-results.md`). Not visible at the CI version's
-    // k = 4 and 2 MiB (1.28x either way).
+    // k = 4 and 2 MiB (1.26-1.28x either way).
     let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("scenarios").join("000-queue-growth.json");
     let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
     let mut sc = Scenario::from_json(&text).expect("scenario");

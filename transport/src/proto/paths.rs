@@ -434,9 +434,9 @@ impl Paths {
             // back, and when every such suspicion moved the episode's start to its packet only the
             // few paths proven since then (`MIN_PROVEN_PATHS`) carried new packets, whose queues
             // then overflowed (the simulator's 128-host permutation with host spraying at 4 MiB:
-            // 2.1x the bound instead of 1.2x). A death always does. (Only deaths: the rail
-            // fabric's black hole left the dead spine a round trip later, beyond 3 RTTs in 4 of
-            // 32 tries.)
+            // 2.1x the bound instead of 1.2x). A death always does. (Only deaths: on the rail
+            // fabric the black hole's bytes left the dead spine beyond 3 RTTs on 4 of 32 first
+            // tries, against 0 of 40 with every suspicion; `docs/fabric.md`.)
             let quiet =
                 self.false_alarm_at.is_none_or(|t| now.saturating_sub(t) > FALSE_ALARM_RTTS * p.rtt.srtt_us().unwrap_or(p.rtt.rto_us()));
             let redate = (health == PathHealth::Dead || quiet) && self.episode_since.is_some_and(|t| p.proven_since(t));
