@@ -1152,6 +1152,13 @@ fn a_failed_spine_that_heals_is_used_again_within_a_probe_wait_of_the_first_revi
 }
 
 /// Every loss counted by how the sender found it.
+/// The mean of the average RTTs of the paths that have RTT samples, µs: the RTT a test measures
+/// reaction times in.
+fn mean_path_rtt_us(st: &ConnStats) -> u64 {
+    let sampled: Vec<u64> = st.paths.iter().filter(|p| p.rtt_samples > 0).map(|p| p.rtt_avg_us).collect();
+    sampled.iter().sum::<u64>() / sampled.len() as u64
+}
+
 fn losses(st: &ConnStats) -> u64 {
     st.time_losses + st.reorder_losses + st.timeout_losses
 }
@@ -1243,8 +1250,7 @@ fn a_black_holed_path_gets_no_new_packets_within_three_rtts_of_its_first_loss() 
             sim.run_until(60_000_000, |s| all_done(s, &posted));
             verify(&sim, &posted);
             let st = sim.stats(A);
-            let sampled: Vec<&_> = st.paths.iter().filter(|p| p.rtt_samples > 0).collect();
-            let rtt = sampled.iter().map(|p| p.rtt_avg_us).sum::<u64>() / sampled.len() as u64;
+            let rtt = mean_path_rtt_us(st);
             let first_loss = sim.data_log.iter().find(|d| d.entropy == HOLE && d.at >= t_hole).expect("the hole swallowed DATA").at;
             let last_new = sim.data_log.iter().filter(|d| d.entropy == HOLE).map(|d| d.queued_at).max().expect("DATA on the path");
             let after = sim.data_log.iter().filter(|d| d.at > first_loss + 3 * rtt).count();
@@ -1553,8 +1559,7 @@ fn new_data_into_failed_paths(seed: u64) -> (f64, usize) {
     verify(&sim, &posted);
     let st = sim.stats(A);
     assert_ne!(st.paths[2].state, PathHealth::Alive, "seed {seed}: the path dead from the start came back: no lingering episode");
-    let sampled: Vec<&_> = st.paths.iter().filter(|p| p.rtt_samples > 0).collect();
-    let rtt = sampled.iter().map(|p| p.rtt_avg_us).sum::<u64>() / sampled.len() as u64;
+    let rtt = mean_path_rtt_us(st);
     let last_t = sim.data_log.iter().map(|d| d.at).max().unwrap_or(0);
     assert!(last_t > T + 30 * rtt, "seed {seed}: the transfer must go on well past the failure (last DATA at {last_t} µs, RTT {rtt} µs)");
     let new_into_holes: Vec<Micros> =
@@ -1768,8 +1773,7 @@ fn bursty_under_a_failed_spine(seed: u64, policy: fn(u64) -> Box<dyn PathPolicy>
         sim.now = sim.now.max(next);
     }
     let st = sim.stats(A);
-    let sampled: Vec<&_> = st.paths.iter().filter(|p| p.rtt_samples > 0).collect();
-    let rtt = sampled.iter().map(|p| p.rtt_avg_us).sum::<u64>() / sampled.len() as u64;
+    let rtt = mean_path_rtt_us(st);
     let first_loss = sim.data_log.iter().find(|d| holes.contains(&d.entropy) && d.at >= t_hole).expect("the holes swallowed DATA").at;
     let late = sim.data_log.iter().filter(|d| !d.retx && holes.contains(&d.entropy) && d.at >= first_loss).map(|d| d.queued_at).collect();
     (rtt, first_loss, late, after)
