@@ -1579,11 +1579,13 @@ fn amid_false_alarms_a_failed_spine_is_left_in_round_trips_not_path_by_path() {
     // 16 packets sprayed over 128 paths (each path gets a packet only every 8 round trips or so),
     // and then half the paths fail at once. Found path by path (a loss on each), the failed paths
     // would take at least one new packet each (64) for 8 round trips and more. Measured over seeds
-    // 1-40 (`docs/fabric.md`, "Why a first try misses"): 2-20 new packets a transfer, the last one
-    // within 3 RTTs of the first loss in 29 of 40, up to 6.2 RTTs in the rest: (1) a burst's packets
-    // share their send time, and one that crossed before the failure proved its failed path; (2) a
-    // suspicion does not date the episode anew after a recent false alarm; (3) with fewer than 4
-    // paths proven since the episode's start, the 4 proven last are used, failed ones among them.
+    // 1-40 (`docs/fabric.md`, "Why a first try misses"): at most 15 new packets a transfer, the last
+    // one within 3 RTTs of the first loss in 39 of 40 (3.2 RTTs in the other). Before corrected picks
+    // avoided paths with 2 packets in flight during an episode (`CORRECTED_IN_FLIGHT`), 29 of 40, up
+    // to 6.2 RTTs, up to 20 packets: bursts piled onto failed paths that still looked proven, because
+    // (1) a burst's packets share their send time, and one that crossed before the failure proved its
+    // failed path; (2) a suspicion does not date the episode anew after a recent false alarm; (3) with
+    // fewer than 4 paths proven since the episode's start, the 4 proven last are used.
     seeded(1, |base| {
         let runs: Vec<(f64, usize)> = (base..base + 40).map(new_data_into_failed_paths).collect();
         eprintln!("(RTTs from the first loss on the failed paths to the last new DATA into them, new DATA into them): {runs:.2?}");
@@ -1592,7 +1594,7 @@ fn amid_false_alarms_a_failed_spine_is_left_in_round_trips_not_path_by_path() {
         let mut rtts: Vec<f64> = runs.iter().map(|r| r.0).collect();
         rtts.sort_by(f64::total_cmp);
         assert!(most <= 40, "a transfer put {most} new DATA packets into the failed paths: found path by path");
-        assert!(within >= 24, "only {within} of 40 transfers left the failed paths within 3 RTTs of the first loss");
+        assert!(within >= 35, "only {within} of 40 transfers left the failed paths within 3 RTTs of the first loss");
         assert!(rtts[20] <= 2.5, "the median transfer left the failed paths {:.2} RTTs after the first loss", rtts[20]);
     });
 }
