@@ -225,7 +225,7 @@ impl Connection {
             // failed link) another copy on one of them tells nothing. It goes on a fit path with
             // nothing in flight, nearest after the policy's choice, so successive probes try
             // different paths and the first that gets through reveals the losses.
-            if let Some(e) = self.nearest_after(&ctx, first, &|c: &Self, e| {
+            if let Some(e) = self.nearest_after(&ctx, first, false, &|c: &Self, e| {
                 Some(e) != avoid && c.paths.get(e).in_flight == 0 && c.paths.fitness(e, episode) == Fitness::Good
             }) {
                 return e;
@@ -259,16 +259,14 @@ impl Connection {
         // failed path in one trace; over 80 seeds 4 transfers beyond 3 RTTs instead of 14).
         // (Only a path the policy allows for this chunk: a chunk pinned to an uplink keeps to it.)
         if episode.is_some() {
-            if let Some(e) = self.nearest_after(&ctx, (first + 1) % n, &|c: &Self, e| {
+            if let Some(e) = self.nearest_after(&ctx, (first + 1) % n, true, &|c: &Self, e| {
                 Some(e) != avoid && c.paths.get(e).in_flight < CORRECTED_IN_FLIGHT && c.fitness_now(e, episode, now) == Fitness::Good
             }) {
-                if self.policy.allows(&ctx, None, e) {
-                    return e;
-                }
+                return e;
             }
         }
-        if let Some(e) =
-            self.nearest_after(&ctx, (first + 1) % n, &|c: &Self, e| Some(e) != avoid && c.fitness_now(e, episode, now) == Fitness::Good)
+        if let Some(e) = self
+            .nearest_after(&ctx, (first + 1) % n, false, &|c: &Self, e| Some(e) != avoid && c.fitness_now(e, episode, now) == Fitness::Good)
         {
             return e;
         }
@@ -286,8 +284,9 @@ impl Connection {
     }
 
     /// The first entropy from `start` on (in entropy order, wrapping) that `ok` accepts and the policy
-    /// allows for this chunk (a chunk pinned to an uplink keeps to it), else the first `ok` accepts.
-    fn nearest_after(&mut self, ctx: &PathCtx, start: u16, ok: &dyn Fn(&Self, u16) -> bool) -> Option<u16> {
+    /// allows for this chunk (a chunk pinned to an uplink keeps to it), else (unless `allowed_only`)
+    /// the first `ok` accepts.
+    fn nearest_after(&mut self, ctx: &PathCtx, start: u16, allowed_only: bool, ok: &dyn Fn(&Self, u16) -> bool) -> Option<u16> {
         let n = self.cfg.n_paths;
         let mut other = None;
         for e in (0..n).map(|k| (start + k) % n) {
@@ -299,7 +298,7 @@ impl Connection {
             }
             other.get_or_insert(e);
         }
-        other
+        other.filter(|_| !allowed_only)
     }
 
     /// How fit path `e` is for a packet now. During a failure episode a proven path whose oldest
