@@ -1870,3 +1870,54 @@ fn a_new_packet_ends_where_its_plan_chunk_ends_on_a_line_boundary() {
         assert!(short > 50, "only {short} packets were cut at a chunk end: the test tests nothing");
     });
 }
+
+/// A whole rail fails: the engine numbers entropies rail-major, so a comm over two rails of 16 paths
+/// each loses entropies 0-15 at once, both ways (our NIC, its link or its leaf gone, silently). The
+/// receiving end sends no DATA and cannot tell its paths apart; its CTS went out on rotating paths,
+/// two copies on neighbouring entropies, so about half the receives lost both copies and waited for
+/// the CTS timer (on loopback 72-87 % of them, 4-13 times slower: `scripts/test-rail-failure`). The
+/// first copy now goes back along the path the latest DATA came in on, which the sender keeps alive.
+#[test]
+fn after_a_rail_fails_a_receive_only_end_still_gets_its_cts_through_at_once() {
+    seeded(52, |seed| {
+        const T: Micros = 20_000;
+        let cfg = ProtoConfig { n_paths: 32, max_payload: 8832, ..ProtoConfig::default() };
+        let rail0: Vec<u16> = (0..16).collect();
+        let l = Link { holes: (rail0.clone(), T, Micros::MAX), ..Link::default() };
+        let mut sim = Sim::new(seed, &cfg, [l.clone(), l]);
+        sim.nic_decibytes_per_ns = 10;
+        let (mut cts_at_t, mut retx_at_t) = (None, 0);
+        // The sender's timeouts once the failure is behind it (5 ms: the message it hit recovered).
+        let mut timeouts_settled = None;
+        for k in 0..200 {
+            if cts_at_t.is_none() && sim.now >= T {
+                cts_at_t = Some(sim.stats(B).cts_sent);
+                retx_at_t = sim.stats(B).cts_retransmitted;
+            }
+            if timeouts_settled.is_none() && sim.now >= T + 5_000 {
+                timeouts_settled = Some(sim.stats(A).timeouts);
+            }
+            let (sent, received) = (sim.completed(A), sim.completed(B));
+            let posted = post(&mut sim, &[vec![m(MIB, MIB, k)]]);
+            sim.run_until(sim.now + 10_000_000, |s| s.completed(A) > sent && s.completed(B) > received);
+            verify(&sim, &posted);
+        }
+        let before = cts_at_t.expect("the rail failed after the last receive: the test tested nothing");
+        let rx = sim.stats(B);
+        let (after, again) = (rx.cts_sent - before, rx.cts_retransmitted - retx_at_t);
+        let into_rail0 = sim
+            .wire_log
+            .iter()
+            .filter(|w| w.from == B && w.ptype == Some(PacketType::Cts) && w.at >= T && rail0.contains(&w.entropy))
+            .count();
+        eprintln!("{after} receives after the failure: CTS sent again {again}, copies into the dead rail {into_rail0}");
+        assert!(after >= 150, "only {after} receives after the failure at {T} µs");
+        assert!(sim.link_stats[A].blackholed > 0, "the dead rail swallowed nothing: the test tested nothing");
+        // One or two receives right at the failure may lose both copies (the latest DATA came in on
+        // the rail that just failed); after that none.
+        assert!(again <= 3, "{again} of {after} CTS went out again after the rail failed");
+        let settled = timeouts_settled.expect("the run ended within 5 ms of the failure");
+        let late = sim.stats(A).timeouts - settled;
+        assert_eq!(late, 0, "{late} retransmission timeouts more than 5 ms after the rail failed");
+    });
+}

@@ -57,17 +57,47 @@ impl PathBoard {
         self.entries.lock().map.len()
     }
 
-    /// The socket a control packet for `dest` should leave from instead of `sock`, if a fresh
-    /// publication says `sock` is not trusted and names one that is (the next one up, wrapping).
-    pub fn steer(&self, dest: SocketAddrV4, sock: u16, now_us: u64) -> Option<u16> {
+    /// Where a control packet for `dest` should leave from instead of `sock`: a fresh publication
+    /// that trusts `sock` (or no fresh publication) keeps it; one that does not names the next trusted
+    /// socket up (wrapping), or says that it trusts none of them (the whole rail towards `dest` is
+    /// failing: the caller looks at the peer's other rails).
+    pub fn steer(&self, dest: SocketAddrV4, sock: u16, now_us: u64) -> Steer {
+        let entries = self.entries.lock();
+        let Some(e) = entries.map.get(&dest) else {
+            return Steer::Keep;
+        };
+        if now_us.saturating_sub(e.at_us) > FRESH_US || e.good.get(sock as usize).copied().unwrap_or(true) {
+            return Steer::Keep;
+        }
+        let n = e.good.len();
+        match (1..n).map(|k| (sock as usize + k) % n).find(|&i| e.good[i]) {
+            Some(i) => Steer::To(i as u16),
+            None => Steer::NoneTrusted,
+        }
+    }
+
+    /// A socket towards `dest` that a fresh publication trusts, the first at or after `sock`
+    /// (wrapping); `None` without a fresh publication or when it trusts none.
+    pub fn trusted(&self, dest: SocketAddrV4, sock: u16, now_us: u64) -> Option<u16> {
         let entries = self.entries.lock();
         let e = entries.map.get(&dest)?;
-        if now_us.saturating_sub(e.at_us) > FRESH_US || e.good.get(sock as usize).copied().unwrap_or(true) {
+        if now_us.saturating_sub(e.at_us) > FRESH_US {
             return None;
         }
         let n = e.good.len();
-        (1..n).map(|k| (sock as usize + k) % n).find(|&i| e.good[i]).map(|i| i as u16)
+        (0..n).map(|k| (sock as usize + k) % n).find(|&i| e.good[i]).map(|i| i as u16)
     }
+}
+
+/// What [`PathBoard::steer`] says of a control packet's socket.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Steer {
+    /// Leave from it (trusted, or nothing fresh is known).
+    Keep,
+    /// Leave from this socket of the same rail instead.
+    To(u16),
+    /// A fresh publication trusts no socket of this rail towards the peer.
+    NoneTrusted,
 }
 
 #[cfg(test)]
@@ -81,15 +111,29 @@ mod tests {
     #[test]
     fn untrusted_sockets_are_steered_to_the_next_trusted_one() {
         let b = PathBoard::default();
-        assert_eq!(b.steer(dest(), 1, 0), None, "nothing published: keep the socket");
+        assert_eq!(b.steer(dest(), 1, 0), Steer::Keep, "nothing published: keep the socket");
         b.publish(dest(), vec![true, false, false, true], 1_000);
-        assert_eq!(b.steer(dest(), 0, 2_000), None);
-        assert_eq!(b.steer(dest(), 1, 2_000), Some(3));
-        assert_eq!(b.steer(dest(), 2, 2_000), Some(3));
-        assert_eq!(b.steer("10.0.0.3:4000".parse().unwrap(), 1, 2_000), None, "another peer");
-        assert_eq!(b.steer(dest(), 1, 1_000 + FRESH_US + 1), None, "stale");
+        assert_eq!(b.steer(dest(), 0, 2_000), Steer::Keep);
+        assert_eq!(b.steer(dest(), 1, 2_000), Steer::To(3));
+        assert_eq!(b.steer(dest(), 2, 2_000), Steer::To(3));
+        assert_eq!(b.steer("10.0.0.3:4000".parse().unwrap(), 1, 2_000), Steer::Keep, "another peer");
+        assert_eq!(b.steer(dest(), 1, 1_000 + FRESH_US + 1), Steer::Keep, "stale");
         b.publish(dest(), vec![false; 4], 3_000);
-        assert_eq!(b.steer(dest(), 1, 3_000), None, "nothing trusted: keep the socket");
+        assert_eq!(b.steer(dest(), 1, 3_000), Steer::NoneTrusted, "the whole rail is failing");
+        assert_eq!(b.steer(dest(), 1, 3_000 + FRESH_US + 1), Steer::Keep, "stale");
+    }
+
+    #[test]
+    fn trusted_finds_a_socket_of_another_rail_only_from_a_fresh_publication() {
+        let b = PathBoard::default();
+        let other: SocketAddrV4 = "10.0.1.2:4000".parse().unwrap();
+        assert_eq!(b.trusted(other, 2, 0), None, "nothing published");
+        b.publish(other, vec![false, true, false, false], 1_000);
+        assert_eq!(b.trusted(other, 1, 2_000), Some(1), "at the socket itself");
+        assert_eq!(b.trusted(other, 2, 2_000), Some(1), "wrapping");
+        assert_eq!(b.trusted(other, 2, 1_000 + FRESH_US + 1), None, "stale");
+        b.publish(other, vec![false; 4], 3_000);
+        assert_eq!(b.trusted(other, 0, 3_000), None, "none trusted");
     }
 
     #[test]
@@ -103,6 +147,6 @@ mod tests {
         assert!(b.len() <= PRUNE_AT, "{} entries kept", b.len());
         let last = SocketAddrV4::new(std::net::Ipv4Addr::from(0x0a00_0000 + 9_999), 4000);
         b.publish(last, vec![false, true], 999_900_000);
-        assert_eq!(b.steer(last, 0, 999_900_000), Some(1), "the fresh ones are still there");
+        assert_eq!(b.steer(last, 0, 999_900_000), Steer::To(1), "the fresh ones are still there");
     }
 }

@@ -243,6 +243,7 @@ impl ClosedComms {
             "start_gates",
             "wrong_peer_dropped",
             "control_steered",
+            "control_other_rail",
         ] {
             if let Some(x) = v.get(k) {
                 counters.insert(k.into(), x.clone());

@@ -213,9 +213,38 @@ impl PathPolicy for PlannedPaths {
         let (rail, uplink) = span;
         let inner = self.rail_ctx(ctx, rail);
         let base = rail * self.paths;
-        let e = base + self.rails[rail as usize].pick_fit(&inner, uplink, &mut |e| fit(base + e))? % self.paths;
-        self.start_train(ctx, span, e);
-        Some(e)
+        if let Some(e) = self.rails[rail as usize].pick_fit(&inner, uplink, &mut |e| fit(base + e)) {
+            let e = base + e % self.paths;
+            self.start_train(ctx, span, e);
+            return Some(e);
+        }
+        if (0..self.paths).any(|e| fit(base + e)) {
+            return None;
+        }
+        // No entropy of the chunk's rail is fit: the rail is failing (this host's NIC, its link or
+        // its leaf, or the peer's). The packet goes to the next rail with a fit entropy, picked by
+        // that rail's own policy (unpinned: an uplink is a rail's own), so a dead rail's share
+        // spreads over the other rails' paths as their own chunks do. Left to the transport's
+        // correction, every such packet went to the fit entropy nearest after the pick: the first
+        // of the next rail, one path carrying the dead rail's whole share.
+        // A policy without an order of its own (`pick_fit` is `None`: spraying, REPS) is corrected
+        // within that rail, to the fit entropy nearest after its pick.
+        let n = self.rails.len() as u16;
+        for k in 1..n {
+            let r = (rail + k) % n;
+            let b = r * self.paths;
+            let inner = self.rail_ctx(ctx, r);
+            let policy = &mut self.rails[r as usize];
+            let local = policy.pick_fit(&inner, None, &mut |e| fit(b + e)).map(|e| e % self.paths).or_else(|| {
+                let first = policy.pick_for(&inner, None) % self.paths;
+                (0..self.paths).map(|j| (first + j) % self.paths).find(|&e| fit(b + e))
+            });
+            if let Some(e) = local {
+                self.start_train(ctx, span, b + e);
+                return Some(b + e);
+            }
+        }
+        None
     }
 
     fn chunk_end(&mut self, ctx: &PathCtx) -> Option<u64> {
@@ -383,6 +412,38 @@ mod tests {
         for _ in 0..200 {
             let e = p.pick(&PathCtx { retransmit: true, avoid: Some(2), n_paths: 4, ..ctx(1, 0) });
             assert_ne!(e, 2);
+        }
+    }
+
+    /// A whole rail failing (none of its entropies fit): its chunks go to the other rail, spread by
+    /// that rail's policy over its entropies, not piled on the first of them; a rail with one fit
+    /// entropy left keeps its chunks; with no rail fit the transport corrects the pick.
+    #[test]
+    fn a_failing_rails_packets_spread_over_the_other_rails_paths() {
+        for path in ["spray", "pro", "reps", "dr"] {
+            let rt = runtime(&[("PRISM_RAIL", "rr"), ("PRISM_CHUNK", "4096"), ("PRISM_PATH", path)], 2);
+            let plans: Plans = Arc::default();
+            let plan = rt.plan(&prism_lb::SendReq { dst_host: 9, len: 64 * 1024, flow: 1, home_rail: 0 }, 0).unwrap();
+            let on_rail0: Vec<u64> = plan.chunks.iter().filter(|c| c.rail == 0).map(|c| c.offset).collect();
+            assert!(!on_rail0.is_empty(), "{path}: the plan put nothing on rail 0");
+            plans.lock().insert(5, ChunkMap::from_plan(&plan, 0));
+            let mut p = PlannedPaths::new(&rt, 9, 2, 16, 0, 3, plans);
+            let mut per_entropy = [0u32; 32];
+            for k in 0..512u64 {
+                let off = on_rail0[(k as usize) % on_rail0.len()] + (k / on_rail0.len() as u64) % 4 * 1024;
+                let c = PathCtx { retransmit: k % 2 == 1, ..ctx(5, off) };
+                let e = p.pick_fit(&c, None, &mut |e| e >= 16).expect("rail 1 is fit");
+                assert!(e >= 16, "{path}: entropy {e} on the failing rail");
+                per_entropy[e as usize] += 1;
+            }
+            let used = per_entropy.iter().filter(|&&c| c > 0).count();
+            let most = *per_entropy.iter().max().unwrap();
+            assert!(used >= 12 && most <= 512 / 4, "{path}: rail 1's entropies carried {per_entropy:?}");
+            // One fit entropy left on rail 0: the chunk stays there (PRO and DR continue their order
+            // onto it; spraying and REPS leave the correction to the transport).
+            let e = p.pick_fit(&ctx(5, on_rail0[0]), None, &mut |e| e == 3 || e >= 16);
+            assert!(e.is_none() || e == Some(3), "{path}: {e:?}");
+            assert_eq!(p.pick_fit(&ctx(5, on_rail0[0]), None, &mut |_| false), None, "{path}: nothing fit anywhere");
         }
     }
 }

@@ -112,6 +112,8 @@ pub(crate) struct RxState {
     started_subs: usize,
     /// When DATA was last accepted into a receive.
     data_at: Micros,
+    /// The entropy that DATA came in on (see `Connection::reply_entropy`).
+    data_entropy: Option<u16>,
     /// Doublings of the CTS timeout that carry over to every CTS until one sent once is acknowledged
     /// (RFC 6298 5.5 and 5.7, across CTS: see `Connection::cts_backoff`).
     cts_shift: u32,
@@ -133,6 +135,7 @@ impl RxState {
             spurious: false,
             started_subs: 0,
             data_at: 0,
+            data_entropy: None,
             cts_shift: 0,
         }
     }
@@ -320,6 +323,7 @@ impl Connection {
         // twenty-odd lost its first CTS and finished an initial RTO late (the simulator's seed-000
         // failure runs); a second copy is one small packet per posted receive.
         let g = &mut self.rx.groups[gi];
+        let copy = g.cts_copy_due;
         if g.cts_copy_due {
             g.cts_copy_due = false;
             self.stats.cts_copies += 1;
@@ -338,8 +342,24 @@ impl Connection {
             self.rx.cts_queue.pop_front();
         }
         self.tx.ack_pending = false;
-        let entropy = self.ctl_entropy();
+        // The first copy goes back along the path the latest DATA came in on, when that was recent:
+        // it works, as far as anybody knows, while this end (which only receives) cannot tell its
+        // own paths apart. The other copy rotates, as before any DATA came: with a whole rail
+        // failing (a NIC or its link dead, half the entropies of two rails) both copies often went
+        // into it, and each receive waited for its CTS to be resent.
+        let entropy = match (copy, self.reply_entropy(now)) {
+            (false, Some(e)) => e,
+            _ => self.ctl_entropy(),
+        };
         Some(Transmit { entropy, len: repr.buffer_len() })
+    }
+
+    /// The entropy the latest DATA came in on, if that was less than an RTO ago and this end does not
+    /// know that path to be unfit (a connection that also sends, or a driver's hint).
+    fn reply_entropy(&self, now: Micros) -> Option<u16> {
+        let e = self.rx.data_entropy?;
+        let recent = now.saturating_sub(self.rx.data_at) < self.ctl_rtt.rto_us();
+        (recent && self.path_preferred(e)).then_some(e)
     }
 
     /// A checked DATA packet arrived: dedup by PSN, validate against the posted buffer, place, ack.
@@ -372,6 +392,7 @@ impl Connection {
             return;
         };
         self.rx.data_at = now;
+        self.rx.data_entropy = Some(d.entropy % self.cfg.n_paths.max(1));
         let end_before = self.rx.window.end();
         self.rx.window.insert(d.psn);
         let rx = &mut self.rx;

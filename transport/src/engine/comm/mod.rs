@@ -93,6 +93,8 @@ struct BoardState {
     data_pkts: u64,
     /// Control packets moved off a path a sending comm to the same peer does not trust.
     steered: u64,
+    /// Of those, moved to another rail (their own trusted no socket).
+    other_rail: u64,
 }
 
 /// The per-comm half of the rail backend (`rail::RailBackend`).
@@ -303,7 +305,7 @@ impl CommCore {
                 dead_posts: 0,
             },
             backend,
-            board: BoardState { at_us: 0, data_pkts: 0, steered: 0 },
+            board: BoardState { at_us: 0, data_pkts: 0, steered: 0, other_rail: 0 },
             closed: false,
             owner_active_us: 0,
             failures_warned: 0,
@@ -465,8 +467,20 @@ impl CommCore {
     }
 
     /// SACK, CTS and ACK packets (not DATA, and not PINGs, which probe their own path) leave from a
-    /// socket a sending comm to the same peer trusts.
-    fn steer(board: &super::board::PathBoard, dest: SocketAddrV4, sock: u16, pkt: &[u8], now: u64) -> u16 {
+    /// socket a sending comm to the same peer trusts: (rail, socket) for one that would leave from
+    /// `sock` of `rail`. When it trusts no socket of that rail (the rail is failing: our NIC, its
+    /// link or its leaf), one of another rail it trusts, towards the peer's address on that rail
+    /// (the peer takes packets from any of its rails' addresses).
+    fn steer(
+        board: &super::board::PathBoard,
+        peer_rails: &[SocketAddrV4],
+        rails: usize,
+        rail: usize,
+        sock: u16,
+        pkt: &[u8],
+        now: u64,
+    ) -> (usize, u16) {
+        use super::board::Steer;
         use crate::wire::{ControlKind, ControlPacket, ControlRepr, Header, PacketType};
         let steerable = match Header::new_checked(pkt).ok().and_then(|h| h.packet_type().ok()) {
             Some(PacketType::Sack | PacketType::Cts) => true,
@@ -475,10 +489,17 @@ impl CommCore {
             }
             _ => false,
         };
-        if !steerable {
-            return sock;
+        if !steerable || peer_rails.is_empty() {
+            return (rail, sock);
         }
-        board.steer(dest, sock, now).unwrap_or(sock)
+        match board.steer(peer_rails[rail % peer_rails.len()], sock, now) {
+            Steer::Keep => (rail, sock),
+            Steer::To(s) => (rail, s),
+            Steer::NoneTrusted => (1..rails)
+                .map(|k| (rail + k) % rails)
+                .find_map(|r| board.trusted(peer_rails[r % peer_rails.len()], sock, now).map(|s| (r, s)))
+                .unwrap_or((rail, sock)),
+        }
     }
 
     fn transmit(&mut self, now: u64) {
@@ -520,10 +541,10 @@ impl CommCore {
                 v.clear();
             }
             for (k, &(e, len, _)) in meta.iter().enumerate() {
-                let rail = (e / paths) as usize % by_rail.len();
-                let dest = peer_rails[rail % peer_rails.len()];
-                let sock = Self::steer(&self.net.board, dest, e % paths, &bufs[k][..len], now);
-                self.board.steered += u64::from(sock != e % paths);
+                let home = (e / paths) as usize % by_rail.len();
+                let (rail, sock) = Self::steer(&self.net.board, peer_rails, by_rail.len(), home, e % paths, &bufs[k][..len], now);
+                self.board.steered += u64::from(sock != e % paths || rail != home);
+                self.board.other_rail += u64::from(rail != home);
                 by_rail[rail].push((sock, k));
             }
             for (rail, items) in by_rail.iter_mut().enumerate() {
@@ -707,6 +728,7 @@ impl CommCore {
             "rate": self.rate_stats(),
             "wrong_peer_dropped": self.rx.wrong_peer,
             "control_steered": self.board.steered,
+            "control_other_rail": self.board.other_rail,
             "backend": self.net.backend_name(),
             "verbs": self.backend.stats(),
         })
