@@ -1921,3 +1921,69 @@ fn after_a_rail_fails_a_receive_only_end_still_gets_its_cts_through_at_once() {
         assert_eq!(late, 0, "{late} retransmission timeouts more than 5 ms after the rail failed");
     });
 }
+
+/// Spraying over the first `half` entropies only, as a chunk planned on one rail is (the engine's
+/// `PlannedPaths`), with no `pick_fit` of its own: when that rail fails, only the transport moves
+/// packets elsewhere.
+struct OneRail {
+    rng: SmallRng,
+    half: u16,
+}
+
+impl PathPolicy for OneRail {
+    fn name(&self) -> &'static str {
+        "one-rail"
+    }
+    fn pick(&mut self, ctx: &prism_lb::PathCtx) -> u16 {
+        let e = self.rng.gen_range(0..self.half);
+        if Some(e) == ctx.avoid {
+            (e + 1) % self.half
+        } else {
+            e
+        }
+    }
+}
+
+/// A rail fails under a connection whose whole window is on it: 128 entropies per rail (the fabric's
+/// `PRISM_PATHS`), a window of 16, every packet on rail 0 (entropies 0-127), which black-holes both
+/// ways at `T`. No packet sent after a lost one can arrive, so no timeout is blamed on its path, no
+/// failure episode begins, and the policy put each copy on rail 0 again: the transfer stalled until
+/// the 20 s limit (the rail fabric, `nic.json`, DR: 649 timeouts). The copy after such a timeout now
+/// goes on the path proven last, which a keepalive's answer proves on the other rail.
+#[test]
+fn a_window_stuck_on_a_failed_rail_is_rescued_by_a_path_a_keepalive_proved() {
+    seeded(53, |seed| {
+        const T: Micros = 10_000;
+        let cfg = ProtoConfig { n_paths: 256, window_pkts: 16, max_payload: 8832, ..ProtoConfig::default() };
+        let rail0: Vec<u16> = (0..128).collect();
+        let l = Link { holes: (rail0.clone(), T, Micros::MAX), ..Link::default() };
+        let mut sim = Sim::with_policy(seed, &cfg, [l.clone(), l], |s| Box::new(OneRail { rng: SmallRng::seed_from_u64(s), half: 128 }));
+        sim.nic_decibytes_per_ns = 10;
+        let mut done_after_fault = 0;
+        for k in 0..40 {
+            let (sent, received) = (sim.completed(A), sim.completed(B));
+            let posted = post(&mut sim, &[vec![m(MIB, MIB, k)]]);
+            sim.run_until(sim.now + 30_000_000, |s| s.completed(A) > sent && s.completed(B) > received);
+            assert!(
+                sim.completed(A) > sent && sim.completed(B) > received,
+                "message {k} did not complete by {} µs (sender: {} timeouts, {} stall timeouts)",
+                sim.now,
+                sim.stats(A).timeouts,
+                sim.stats(A).stall_timeouts
+            );
+            verify(&sim, &posted);
+            if sim.now > T {
+                done_after_fault += 1;
+            }
+        }
+        let tx = sim.stats(A);
+        eprintln!(
+            "done at {} µs; sender: {} timeouts, {} stall timeouts, {} retransmissions",
+            sim.now, tx.timeouts, tx.stall_timeouts, tx.retransmissions
+        );
+        assert!(sim.link_stats[A].blackholed > 0, "the failed rail swallowed nothing: the test tested nothing");
+        assert!(done_after_fault >= 30, "only {done_after_fault} messages after the failure");
+        // Out within a few keepalive intervals (100 ms each), far from the 20 s stall limit.
+        assert!(sim.now < 2_000_000, "40 messages of 1 MiB took until {} µs", sim.now);
+    });
+}

@@ -111,10 +111,35 @@ pub(crate) struct Paths {
     /// coming back or a proven one going bad), so the hot path does not search every path in vain.
     explore_wanted: bool,
     ctl_rr: u16,
+    /// The step of `ctl_rr` (see [`ctl_stride`]).
+    ctl_stride: u16,
     path_dead_after: u32,
     path_revive_us: u64,
     /// Feedback for the path policy, in the order it happened.
     events: Vec<Feedback>,
+}
+
+/// The step between successive control packets' entropies: the number nearest `n` times the golden
+/// ratio's fraction (0.618...) that has no factor in common with `n`, so the rotation still visits
+/// every entropy once per `n` packets, while successive ones land far apart and every block of
+/// entropies gets its share early on (the engine numbers entropies rail-major: each rail is such a
+/// block, whatever the number of rails). Stepping by one walked a whole rail's block first: with a
+/// rail failed, 128 keepalives in a row (12.8 s at one per 100 ms) went into it and the peer timed
+/// out, and both copies of a CTS, on neighbouring entropies, went into the same rail.
+fn ctl_stride(n: u16) -> u16 {
+    fn gcd(a: u32, b: u32) -> u32 {
+        if b == 0 {
+            a
+        } else {
+            gcd(b, a % b)
+        }
+    }
+    if n <= 2 {
+        return 1;
+    }
+    let n32 = u32::from(n);
+    let golden = (n32 * 618 + 500) / 1000;
+    (golden..n32).chain(1..golden).find(|&s| gcd(s, n32) == 1).unwrap_or(1) as u16
 }
 
 impl Paths {
@@ -135,6 +160,7 @@ impl Paths {
             explore_due: None,
             explore_wanted: false,
             ctl_rr: 0,
+            ctl_stride: ctl_stride(n),
             path_dead_after,
             path_revive_us,
             events: Vec::new(),
@@ -237,7 +263,7 @@ impl Paths {
         let mut best: Option<(Fitness, u16)> = None;
         for _ in 0..n {
             let e = self.ctl_rr % n;
-            self.ctl_rr = (e + 1) % n;
+            self.ctl_rr = ((u32::from(e) + u32::from(self.ctl_stride)) % u32::from(n)) as u16;
             let f = self.fitness(e, episode);
             if f == Fitness::Good {
                 return e;
@@ -350,7 +376,16 @@ impl Paths {
                 return;
             }
         }
-        let Probe::Sent(at) = p.probe else { return };
+        let Probe::Sent(at) = p.probe else {
+            // A keepalive's answer (neither an exploring PING's nor a probe's): the path carried a
+            // PING and its PONG just now, the freshest evidence a silent window may have (a
+            // retransmission after a timeout nobody is blamed for goes on the path proven last).
+            if p.health == PathHealth::Alive {
+                let sent = now.saturating_sub(u64::from((now as u32).wrapping_sub(ts)));
+                p.last_ok_sent_at = Some(p.last_ok_sent_at.map_or(sent, |t| t.max(sent)));
+            }
+            return;
+        };
         let revived = p.health == PathHealth::Dead;
         p.consecutive_timeouts = 0;
         p.consecutive_losses = 0;
@@ -707,5 +742,32 @@ mod tests {
         paths.lost(2, 31, 2_400, true, 3_000, &mut ps);
         assert_eq!(paths.get(2).health, PathHealth::Dead);
         assert_eq!(paths.episode_start(), Some(2_400), "the death dates the episode from the packet that confirmed it");
+    }
+
+    #[test]
+    fn control_packets_step_across_rails_and_still_visit_every_entropy() {
+        for n in [1u16, 2, 3, 4, 16, 32, 96, 128, 256, 384, 1024, 4096] {
+            let s = ctl_stride(n);
+            let mut seen = vec![false; n as usize];
+            let mut e = 0u32;
+            for _ in 0..n {
+                seen[e as usize] = true;
+                e = (e + u32::from(s)) % u32::from(n);
+            }
+            assert!(seen.iter().all(|&x| x), "n {n}, stride {s}: not every entropy visited");
+        }
+        // 2 to 8 rails of 128 entropies: within the first 64 control packets every rail gets its
+        // share (at least half of an even one) and none gets more than 3 in a row.
+        for rails in [2u32, 3, 4, 8] {
+            let n = rails * 128;
+            let s = u32::from(ctl_stride(n as u16));
+            let seq: Vec<u32> = (0..64u32).map(|k| (k * s % n) / 128).collect();
+            for r in 0..rails {
+                let hits = seq.iter().filter(|&&x| x == r).count() as u32;
+                assert!(hits >= 64 / rails / 2, "{rails} rails: rail {r} got {hits} of 64: {seq:?}");
+            }
+            let longest = seq.chunk_by(|a, b| a == b).map(|c| c.len()).max().unwrap();
+            assert!(longest <= 3, "{rails} rails: {longest} in a row on one rail: {seq:?}");
+        }
     }
 }

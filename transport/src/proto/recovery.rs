@@ -637,6 +637,14 @@ impl Connection {
                     self.paths.get_mut(e).queue.pop_front();
                     self.declare_lost(psn, now, LossCause::Timeout, now);
                     if only_oldest {
+                        // The peer is heard but nothing sent after this packet came back: when the
+                        // whole window went into failed paths (a rail or an uplink that a chunk is
+                        // planned on, all dead) and nothing is blamed, the policy would put the copy
+                        // there again, timeout after timeout (on the rail fabric with a host's NIC
+                        // black-holed, one DR connection did so 649 times until its 20 s stall
+                        // limit). It goes on the path proven most recently instead; once it is
+                        // acknowledged, the packets before it are blamed on their paths.
+                        self.tx.retx_to_freshest = true;
                         break;
                     }
                 } else {

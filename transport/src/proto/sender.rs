@@ -145,6 +145,10 @@ pub(crate) struct TxState {
     pub(crate) tlp_due: bool,
     /// The packet being put on a path now is a tail-loss probe (see `Connection::pick_path`).
     pub(crate) probe_pick: bool,
+    /// A timeout not blamed on its path (nothing sent after the packet arrived, the peer heard
+    /// meanwhile: every packet in flight may sit on failed paths) queued a retransmission: it goes on
+    /// the path proven most recently, not where the policy would put it (`Connection::pick_path`).
+    pub(crate) retx_to_freshest: bool,
     /// The last DATA packet sent was a message's last: the receiver acknowledges it at once.
     pub(crate) tail_last: bool,
     /// Transmission sequence number of the last tail-loss probe.
@@ -205,6 +209,7 @@ impl TxState {
             tlp_count: 0,
             tlp_due: false,
             probe_pick: false,
+            retx_to_freshest: false,
             tail_last: false,
             tlp_tx_seq: None,
             stalled: false,

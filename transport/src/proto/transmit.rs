@@ -203,7 +203,9 @@ impl Connection {
         let ctx = PathCtx { msg: msg.0, offset, n_paths: n, retransmit, avoid, now_us: now };
         let episode = if retransmit { self.paths.episode_start() } else { self.paths.episode() };
         let checked = self.paths.any_bad() || episode.is_some();
-        if n > 1 && checked && !self.tx.probe_pick && !(retransmit && episode.is_some()) {
+        // (See `TxState::retx_to_freshest`.)
+        let to_freshest = retransmit && std::mem::take(&mut self.tx.retx_to_freshest);
+        if n > 1 && checked && !self.tx.probe_pick && !(retransmit && (episode.is_some() || to_freshest)) {
             // A policy that walks its paths in an order (PRO) continues the walk past the unfit
             // ones: the packets it re-places spread like its other picks. Correcting its pick
             // afterwards (below) put every one whose pick was unfit on the fit path nearest after
@@ -231,7 +233,7 @@ impl Connection {
                 return e;
             }
         }
-        if retransmit && episode.is_some() {
+        if retransmit && (to_freshest || episode.is_some()) {
             // A retransmission during a failure episode must not be lost again: it goes on the path
             // proven most recently (the freshest evidence that a path works). A path proven only
             // shortly after the episode's start may have failed a moment later (the start is the
