@@ -9,7 +9,7 @@
 * under each CCT fault (a black-holed spine path), every listed policy completes with CCT below
   ratio x the fault-free run (the fault's own ``cct_ratio_max`` if it has one, else the scenario's); the
   ratio and the time to recover are reported;
-* if the scenario sets ``recovery_rtts_max`` (K), under each CCT fault with a dead link every listed
+* if the scenario (or the fault itself) sets ``recovery_rtts_max`` (K), under each CCT fault with a dead link every listed
   policy moves the bulk of its bytes off the dead path within K round trips of the fault: the byte
   reroute time (``recovery_bytes``) over the RTT Prism measured in the fault-free run of the same
   workload and policy (``metrics.run_rtt_s``);
@@ -175,8 +175,9 @@ def evaluate(scn: Scenario, runs: list[dict]) -> list[Check]:
                                 f"(limit x{limit:g}); {rec_txt}",
                                 {"ratio": ratio, "recovery": rec, "recovery_bytes": x, "data_ok": bool(r["ok"]),
                                  "fault_floor_ratio": floor}))
-            if fault.kind in ("blackhole", "link_down") and c.recovery_rtts_max is not None:
-                checks.append(recovery_check(fname, p, r, base, c.recovery_rtts_max))
+            k_max = fault.recovery_rtts_max if fault.recovery_rtts_max is not None else c.recovery_rtts_max
+            if fault.kind in ("blackhole", "link_down", "nic_blackhole") and k_max is not None:
+                checks.append(recovery_check(fname, p, r, base, k_max))
             if fault.heal_after_s is not None and c.revive_s_max is not None:
                 checks.append(revival_check(fname, p, r, base, c.revive_s_max))
     return checks

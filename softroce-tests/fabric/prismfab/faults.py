@@ -9,6 +9,10 @@
   sends to L (transmit counters of both ends).
 * ``loss``: every port of spine S drops ``loss_pct`` percent of IPv4 packets at random (nft numgen).
 * ``slow_spine``: every link of spine S is shaped down to ``bw_mbit`` (both directions).
+* ``nic_blackhole``: the link between host H and leaf L (H's rail-L NIC) silently drops every IPv4 packet
+  in both directions (nft netdev ingress drop on the host's interface and on the leaf's port): the NIC,
+  its cable or its leaf port gone, carrier up. Victims: what H sends on rail L plus what leaf L sends to
+  H (transmit counters of both ends).
 
 A fault may carry further faults (``also``) injected in the same run, each at its own ``at_s`` (e.g. loss
 on one spine from the start and a black hole on another later): ``inject_due`` fires each part when its
@@ -24,7 +28,7 @@ from __future__ import annotations
 import logging
 
 from .scenario import Fault
-from .topo import Fabric, downlink_if, leaf_name, spine_name, uplink_if
+from .topo import Fabric, downlink_if, host_if, host_name, leaf_down_if, leaf_name, spine_name, uplink_if
 
 log = logging.getLogger("prismfab.faults")
 
@@ -88,6 +92,12 @@ class Injector:
             for r in range(fab.spec.rails):
                 fab.set_link_bw(lf if r == f.leaf else fab.leaf(r), uplink_if(r, f.spine), f.bw_mbit)
                 fab.set_link_bw(sp, downlink_if(f.spine, r), f.bw_mbit)
+        elif f.kind == "nic_blackhole":
+            stmt = "meta protocol ip counter drop"
+            self._nft(fab.host(f.host), _ingress_drop_table(host_if(f.host, f.leaf), stmt))
+            self._nft(lf, _ingress_drop_table(leaf_down_if(f.leaf, f.host), stmt))
+            log.info("fault %s (%s) injected: host %s rail %d", f.name, f.kind, host_name(f.host), f.leaf)
+            return
         else:
             raise ValueError(f"unknown fault kind {f.kind}")
         log.info("fault %s (%s) injected: leaf %s spine %s", f.name, f.kind, leaf_name(f.leaf), spine_name(f.spine))
@@ -96,11 +106,10 @@ class Injector:
         """Undoes the primary fault alone (a black hole or a cut link), leaving its ``also`` parts in place:
         the link carries traffic again and the routers' routes are as before the fault."""
         f, fab = self.fault, self.fabric
-        if self.healed or f.kind not in ("blackhole", "link_down"):
+        if self.healed or f.kind not in ("blackhole", "link_down", "nic_blackhole"):
             return
-        if f.kind == "blackhole":
-            for node, ifname in ((fab.leaf(f.leaf), uplink_if(f.leaf, f.spine)),
-                                 (fab.spine(f.spine), downlink_if(f.spine, f.leaf))):
+        if f.kind in ("blackhole", "nic_blackhole"):
+            for node, ifname in self._black_hole_ports(f):
                 chain = f"netdev {NFT_TABLE} in_{ifname.replace('-', '_')}"
                 # Its drops so far are kept (flushing the chain takes its counter with it); another
                 # part's chain on the same router is not this fault's.
@@ -113,6 +122,19 @@ class Injector:
         self.healed = True
         log.info("fault %s (%s) healed: leaf %s spine %s", f.name, f.kind, leaf_name(f.leaf), spine_name(f.spine))
 
+    def _black_hole_ports(self, f: Fault) -> list:
+        """(node, interface) of both ends of a black hole's link."""
+        fab = self.fabric
+        if f.kind == "nic_blackhole":
+            return [(fab.host(f.host), host_if(f.host, f.leaf)), (fab.leaf(f.leaf), leaf_down_if(f.leaf, f.host))]
+        return [(fab.leaf(f.leaf), uplink_if(f.leaf, f.spine)), (fab.spine(f.spine), downlink_if(f.spine, f.leaf))]
+
+    def _nft_nodes(self) -> list:
+        """Every node that may hold this fault's nft table: the routers, and the hosts of NIC faults."""
+        fab = self.fabric
+        hosts = sorted({f.host for f in self.fault.parts() if f.kind == "nic_blackhole"})
+        return list(fab.routers()) + [fab.host(h) for h in hosts]
+
     def _nft(self, node, ruleset: str) -> None:
         # One nft command line adds the table and its chain atomically.
         self.fabric.sh(node, f"nft '{ruleset}'")
@@ -122,7 +144,7 @@ class Injector:
         it."""
         fab = self.fabric
         spec = fab.spec
-        for node in fab.routers():
+        for node in self._nft_nodes():
             node.cmd(f"nft delete table netdev {NFT_TABLE} 2>/dev/null")
         for f in self.fault.parts():
             if f.kind == "link_down":
@@ -146,13 +168,15 @@ class Injector:
                 names += [leaf_name(f.leaf), spine_name(f.spine)]
             elif f.kind == "loss":
                 names += [spine_name(f.spine)]
+            elif f.kind == "nic_blackhole":
+                names += [host_name(f.host), leaf_name(f.leaf)]
         # After a heal the black hole's chains are empty; what they dropped before is counted once.
         return self._drops_at(names) + self.healed_drops
 
     def _drops_at(self, names: list[str]) -> int:
         """Packets dropped so far by every rule of the fault table on the named routers."""
         total = 0
-        for node in (n for n in self.fabric.routers() if n.name in set(names)):
+        for node in (n for n in self._nft_nodes() if n.name in set(names)):
             out = node.cmd(f"nft -j list table netdev {NFT_TABLE} 2>/dev/null")
             total += _sum_counters(out)
         return total
@@ -169,13 +193,23 @@ class Injector:
         if f.kind == "link_down":
             up = netdev.get(lf, {}).get(uplink_if(f.leaf, f.spine), {}).get("tx_packets", 0)
             return up + no_routes.get(sp, 0)
+        if f.kind == "nic_blackhole":
+            return self._nic_counter(netdev, "tx_packets")
         return None
+
+    def _nic_counter(self, netdev: dict, key: str) -> int:
+        """A NIC fault's link: `key` of the host's interface plus the leaf's port towards it."""
+        f = self.fault
+        return (netdev.get(host_name(f.host), {}).get(host_if(f.host, f.leaf), {}).get(key, 0)
+                + netdev.get(leaf_name(f.leaf), {}).get(leaf_down_if(f.leaf, f.host), {}).get(key, 0))
 
     def link_bytes(self, netdev: dict) -> int | None:
         """Bytes sent onto the faulty leaf-spine link (both ends' transmit counters) for a black hole or a
         cut link, from one sample of the counters; None for faults without such a link. While a black
         hole lasts they are what it swallowed; once a fault healed, what the link carries again."""
         f = self.fault
+        if f.kind == "nic_blackhole":
+            return self._nic_counter(netdev, "tx_bytes")
         if f.kind not in ("blackhole", "link_down"):
             return None
         lf, sp = leaf_name(f.leaf), spine_name(f.spine)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 
 from .scenario import TopologySpec
-from .topo import downlink_if, host_if, leaf_name, spine_name, uplink_if
+from .topo import downlink_if, host_if, leaf_down_if, leaf_name, spine_name, uplink_if
 
 # Below this many bytes through the spines a balance figure means nothing (only stray packets crossed).
 MIN_SPINE_BYTES = 1 << 20
@@ -294,7 +294,8 @@ def fault_lower_bound_s(spec: TopologySpec, coll: str, size: int, parts: list[di
     moment the fault-free bound starts from too). From its time on, a ``blackhole`` or ``link_down`` takes
     the leaf-spine link out both ways, a ``slow_spine`` shapes every link of its spine to `bw_mbit`, and a
     ``loss`` on a spine leaves its links `1 - loss_pct/100` of their capacity for data that arrives (what
-    is dropped was sent), and a ``heal`` gives a black-holed or cut link back. Each leaf's uplinks (and downlinks) are one resource whose capacity is the sum of
+    is dropped was sent), a ``nic_blackhole`` leaves its host the other NICs (``host``), and a ``heal``
+    gives a black-holed or cut link back (``of``: the kind it heals). Each leaf's uplinks (and downlinks) are one resource whose capacity is the sum of
     its links' at each moment, filled perfectly from the first byte: no policy, however it reroutes, can
     finish before this with Prism's rail pairing. Its ratio to the fault-free bound is the least CCT ratio
     (fault / no fault) the fault allows a run that was at the bound without it."""
@@ -311,7 +312,7 @@ def fault_lower_bound_s(spec: TopologySpec, coll: str, size: int, parts: list[di
             kind = p.get("kind")
             if kind in ("blackhole", "link_down") and p.get("leaf") == r and p.get("spine") == s:
                 dead = True
-            elif kind == "heal" and p.get("leaf") == r and p.get("spine") == s:
+            elif kind == "heal" and p.get("of") != "nic_blackhole" and p.get("leaf") == r and p.get("spine") == s:
                 dead = False
             elif kind == "slow_spine" and p.get("spine") == s:
                 bw = min(bw, float(p.get("bw_mbit") or spine_mbit))
@@ -331,9 +332,33 @@ def fault_lower_bound_s(spec: TopologySpec, coll: str, size: int, parts: list[di
         return [(t, sum(at(st, t) for st in per_link) * 1e6 / 8) for t in times]
 
     caps = [leaf_steps(r) for r in range(spec.rails)]
+
+    def host_steps(h: int) -> list[tuple[float, float]]:
+        # A host whose NIC fails (``nic_blackhole``) has its other NICs left: its bytes, moved to
+        # them perfectly from the first byte, pass its NICs as one resource of the live ones' rates.
+        steps, dead = [(0.0, spec.rails * host_bps)], set()
+        for t, p in events:
+            if p.get("host") != h or p.get("kind") not in ("nic_blackhole", "heal"):
+                continue
+            if p.get("kind") == "heal" and p.get("of") != "nic_blackhole":
+                continue
+            (dead.add if p["kind"] == "nic_blackhole" else dead.discard)(p.get("leaf"))
+            steps.append((t, (spec.rails - len(dead)) * host_bps))
+        return steps
+
+    nic_hosts = {p.get("host") for _, p in events if p.get("kind") == "nic_blackhole"}
+
+    def host_term(per_nic: dict) -> float:
+        worst = max(per_nic.values(), default=0.0) / host_bps
+        for h in nic_hosts:
+            total = sum(v for (a, _), v in per_nic.items() if a == h)
+            if total > 0:
+                worst = max(worst, _finish_s(total, host_steps(h)))
+        return worst
+
     cands = {
-        "host_send": max(nic_send.values(), default=0.0) / host_bps,
-        "host_recv": max(nic_recv.values(), default=0.0) / host_bps,
+        "host_send": host_term(nic_send),
+        "host_recv": host_term(nic_recv),
         "spine_up": max((_finish_s(w, caps[r]) for r, w in enumerate(leaf_up) if w > 0), default=0.0),
         "spine_down": max((_finish_s(w, caps[r]) for r, w in enumerate(leaf_down) if w > 0), default=0.0),
     }
@@ -344,7 +369,7 @@ def fault_lower_bound_s(spec: TopologySpec, coll: str, size: int, parts: list[di
     # JSON has no infinity: a transfer the broken fabric cannot finish has no bound (`finishes` false).
     return {"seconds": secs if finite else None, "finishes": finite, "bottleneck": bottleneck,
             "terms_s": {k: (v if math.isfinite(v) else None) for k, v in cands.items()}, "rails_used": k_used,
-            "parts": [{k: p.get(k) for k in ("kind", "leaf", "spine", "at_s", "bw_mbit", "loss_pct")} for _, p in events],
+            "parts": [{k: p.get(k) for k in ("kind", "leaf", "spine", "host", "at_s", "bw_mbit", "loss_pct")} for _, p in events],
             "over_fault_free_bound": (secs / free["seconds"]) if (finite and free["seconds"]) else None}
 
 
@@ -371,6 +396,23 @@ def spine_bytes_total(spec: TopologySpec, netdev: dict) -> int:
     return sum(netdev.get(leaf_name(r), {}).get(uplink_if(r, s), {}).get("tx_bytes", 0)
                + netdev.get(spine_name(s), {}).get(downlink_if(s, r), {}).get("tx_bytes", 0)
                for r in range(spec.rails) for s in range(spec.spines))
+
+
+def nic_packets(spec: TopologySpec, netdev: dict) -> int:
+    """Packets sent onto every host-leaf link (both directions: the hosts' and the leaves' transmit
+    counters), from one sample of the counters."""
+    return _nic_sum(spec, netdev, "tx_packets")
+
+
+def nic_bytes_total(spec: TopologySpec, netdev: dict) -> int:
+    """Bytes sent onto every host-leaf link (both directions), from one sample of the counters."""
+    return _nic_sum(spec, netdev, "tx_bytes")
+
+
+def _nic_sum(spec: TopologySpec, netdev: dict, key: str) -> int:
+    return sum(netdev.get(f"h{i}", {}).get(host_if(i, r), {}).get(key, 0)
+               + netdev.get(leaf_name(r), {}).get(leaf_down_if(r, i), {}).get(key, 0)
+               for i in range(spec.hosts) for r in range(spec.rails))
 
 
 def _rate(t: list[float], v: list[int], k0: int, k1: int) -> float:

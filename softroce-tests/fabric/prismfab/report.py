@@ -41,7 +41,7 @@ def run_row(r: dict, base: dict | None) -> dict:
         ttr = f"{fmt_ms(rec.get('reroute_s')) if rec.get('reroute_s') is not None else 'never'} / {last}"
         if rec.get("residual_share") is not None:
             ttr += f" ({100 * rec['residual_share']:.0f} %)"
-        by = metrics.dead_path_recovery(r) if (r.get("fault") or {}).get("kind") == "blackhole" else None
+        by = metrics.dead_path_recovery(r) if (r.get("fault") or {}).get("kind") in ("blackhole", "nic_blackhole") else None
         if by and by.get("residual_share") is not None:
             rtt = metrics.run_rtt_s(base)
             rr = by.get("reroute_s")

@@ -229,7 +229,7 @@ def run_one(fab: Fabric, scn: Scenario, bins: Binaries, wl: Workload, pol: Polic
             if injector and injector.pending and t_data is not None:
                 for part in injector.inject_due(now - t_data):
                     t_part = time.monotonic()
-                    parts_at.append({"kind": part.kind, "spine": part.spine, "leaf": part.leaf,
+                    parts_at.append({"kind": part.kind, "spine": part.spine, "leaf": part.leaf, "host": part.host,
                                      "at_s": round(t_part - t_data, 4), "bw_mbit": part.bw_mbit,
                                      "loss_pct": part.loss_pct})
                     if part is fault:
@@ -241,7 +241,7 @@ def run_one(fab: Fabric, scn: Scenario, bins: Binaries, wl: Workload, pol: Polic
                 t_heal = time.monotonic()
                 injector.heal()
                 # The fabric's bound under the fault gets its link back from here on.
-                parts_at.append({"kind": "heal", "spine": fault.spine, "leaf": fault.leaf,
+                parts_at.append({"kind": "heal", "of": fault.kind, "spine": fault.spine, "leaf": fault.leaf, "host": fault.host,
                                  "at_s": round(t_heal - t_data, 4)})
             time.sleep(0.005 if (injector and (injector.pending or heal_due)) else 0.05)
         t_end = time.monotonic()
@@ -361,15 +361,18 @@ def run_one(fab: Fabric, scn: Scenario, bins: Binaries, wl: Workload, pol: Polic
                     res["errors"].append("the fault never healed (the run ended before heal_after_s)")
             # How traffic left the dead path is judged while it was dead (until the heal, if any).
             dead = [injector.dead_path_packets(nd, nr) for nd, nr in zip(series.netdev, series.no_routes)]
+            # A spine fault's dead path is measured against the spines' traffic, a NIC fault's against
+            # every host NIC's.
+            nic = fault.kind == "nic_blackhole"
             if dead and dead[0] is not None:
-                total = [metrics.spine_packets(spec, nd) for nd in series.netdev]
+                total = [(metrics.nic_packets if nic else metrics.spine_packets)(spec, nd) for nd in series.netdev]
                 res["recovery"] = metrics.recovery(series.t, dead, total, t_fault, sample_interval_s, until=t_heal)
             dead_b = [injector.link_bytes(nd) for nd in series.netdev]
             if dead_b and dead_b[0] is not None:
                 # The same measure by bytes, at the sampling resolution (10 ms): when the bulk of the
                 # data left the dead path; probes and control packets weigh what they weigh.
-                total_b = [metrics.spine_bytes_total(spec, nd) for nd in series.netdev]
-                if fault.kind == "blackhole":
+                total_b = [(metrics.nic_bytes_total if nic else metrics.spine_bytes_total)(spec, nd) for nd in series.netdev]
+                if fault.kind in ("blackhole", "nic_blackhole"):
                     res["recovery_bytes"] = metrics.recovery(series.t, dead_b, total_b, t_fault, sample_interval_s,
                                                              until=t_heal)
                 if t_heal is not None:

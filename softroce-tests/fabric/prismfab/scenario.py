@@ -30,7 +30,7 @@ LEAF_ROUTING_MODES = ("hash", "sport")
 # (PRISM_UDP_SPORT_BASE), clear of the self-test's probe ports (20000-31063). Each rank is alone in its
 # host's namespace, so nothing else binds UDP ports there.
 SPORT_BASE = 40000
-FAULT_KINDS = ("link_down", "blackhole", "loss", "slow_spine")
+FAULT_KINDS = ("link_down", "blackhole", "loss", "slow_spine", "nic_blackhole")
 COLLECTIVES = ("sendrecv", "all_reduce", "all_gather", "reduce_scatter", "alltoall", "alltoall_sparse")
 
 
@@ -233,7 +233,9 @@ class Fault:
     kinds: ``link_down`` (the cable between leaf and spine is cut: both ends lose carrier), ``blackhole``
     (that link silently drops every IPv4 packet in both directions; links stay up, routers do not notice),
     ``loss`` (random loss of ``loss_pct`` percent on every port of the spine, nft numgen), ``slow_spine``
-    (every link of the spine shaped down to ``bw_mbit``).
+    (every link of the spine shaped down to ``bw_mbit``), ``nic_blackhole`` (the link between host ``host``
+    and leaf ``leaf``, its rail-``leaf`` NIC's, silently drops every IPv4 packet in both directions: a NIC,
+    cable or leaf port gone; ``spine`` is unused).
 
     ``heal_after_s`` (black hole or cut link only): the fault is undone that many seconds after it fired,
     while the workload still runs, and the run measures how soon the policy puts its bytes back on the
@@ -246,6 +248,8 @@ class Fault:
     policies: list[str]
     spine: int = 0
     leaf: int = 0
+    # nic_blackhole only: the host whose rail-`leaf` link fails.
+    host: int = 0
     at_s: float = 0.5
     loss_pct: float = 1.0
     bw_mbit: float = 25.0
@@ -258,10 +262,12 @@ class Fault:
     also: list["Fault"] = field(default_factory=list)
     # Overrides checks.cct_ratio_max for this fault (None: the scenario's).
     cct_ratio_max: float | None = None
+    # Overrides checks.recovery_rtts_max for this fault (None: the scenario's).
+    recovery_rtts_max: float | None = None
     # Seconds after the fault fired at which it is undone (None: it lasts to the end of the run).
     heal_after_s: float | None = None
 
-    PART_FIELDS = {"kind", "spine", "leaf", "at_s", "loss_pct", "bw_mbit"}
+    PART_FIELDS = {"kind", "spine", "leaf", "host", "at_s", "loss_pct", "bw_mbit"}
 
     def parts(self) -> list["Fault"]:
         """This fault and the ones injected with it, in the order they fire."""
@@ -278,6 +284,7 @@ class Fault:
             name=f"{parent.name}.{kind}", kind=kind, workload=parent.workload, policies=list(parent.policies),
             spine=_num(d, "spine", where, 0, MAX_SPINES - 1, 0),
             leaf=_num(d, "leaf", where, 0, MAX_RAILS - 1, 0),
+            host=_num(d, "host", where, 0, MAX_HOSTS - 1, 0),
             at_s=float(_num(d, "at_s", where, 0.0, 600.0, parent.at_s, integer=False)),
             loss_pct=float(_num(d, "loss_pct", where, 0.0, 100.0, 1.0, integer=False)),
             bw_mbit=float(_num(d, "bw_mbit", where, 0.1, 1000.0, 25.0, integer=False)),
@@ -287,8 +294,8 @@ class Fault:
     @classmethod
     def from_json(cls, d: dict, where: str) -> "Fault":
         """Reads and checks one entry of `faults`."""
-        _only(d, where, {"name", "kind", "workload", "policies", "spine", "leaf", "at_s", "loss_pct", "bw_mbit",
-                         "expect", "also", "cct_ratio_max", "heal_after_s"})
+        _only(d, where, {"name", "kind", "workload", "policies", "spine", "leaf", "host", "at_s", "loss_pct", "bw_mbit",
+                         "expect", "also", "cct_ratio_max", "recovery_rtts_max", "heal_after_s"})
         expect = d.get("expect", "complete")
         if expect not in ("complete", "report"):
             raise ScenarioError(f"{where}.expect={expect!r}: complete or report")
@@ -308,6 +315,7 @@ class Fault:
             name=name, kind=kind, workload=wl, policies=pols,
             spine=_num(d, "spine", where, 0, MAX_SPINES - 1, 0),
             leaf=_num(d, "leaf", where, 0, MAX_RAILS - 1, 0),
+            host=_num(d, "host", where, 0, MAX_HOSTS - 1, 0),
             at_s=float(_num(d, "at_s", where, 0.0, 600.0, 0.5, integer=False)),
             loss_pct=float(_num(d, "loss_pct", where, 0.0, 100.0, 1.0, integer=False)),
             bw_mbit=float(_num(d, "bw_mbit", where, 0.1, 1000.0, 25.0, integer=False)),
@@ -315,9 +323,11 @@ class Fault:
         )
         if "cct_ratio_max" in d:
             f.cct_ratio_max = float(_num(d, "cct_ratio_max", where, 1.0, 100.0, integer=False))
+        if "recovery_rtts_max" in d:
+            f.recovery_rtts_max = float(_num(d, "recovery_rtts_max", where, 0.1, 10000.0, integer=False))
         if d.get("heal_after_s") is not None:
-            if kind not in ("blackhole", "link_down"):
-                raise ScenarioError(f"{where}.heal_after_s: only a blackhole or link_down heals (a dead link "
+            if kind not in ("blackhole", "link_down", "nic_blackhole"):
+                raise ScenarioError(f"{where}.heal_after_s: only a blackhole, link_down or nic_blackhole heals (a dead link "
                                     f"whose return the run can measure), not {kind}")
             f.heal_after_s = float(_num(d, "heal_after_s", where, 0.01, 600.0, integer=False))
         also = d.get("also", [])
@@ -330,6 +340,11 @@ class Fault:
         for i, p in enumerate(parts):
             for j in range(i):
                 q = parts[j]
+                if "nic_blackhole" in (p.kind, q.kind):
+                    # A host's link is no spine's: it clashes only with a black hole on the same one.
+                    if p.kind == q.kind and (p.host, p.leaf) == (q.host, q.leaf):
+                        raise ScenarioError(f"{where}: two nic_blackhole parts on host {p.host} rail {p.leaf}")
+                    continue
                 if p.spine == q.spine and (p.kind in ("loss", "slow_spine") or q.kind in ("loss", "slow_spine")
                                            or p.leaf == q.leaf):
                     name = lambda k: "the fault" if k == 0 else f"also[{k - 1}]"  # noqa: E731
@@ -475,6 +490,8 @@ class Scenario:
                     raise ScenarioError(f"{w}.spine={part.spine}: the topology has {self.topology.spines} spines")
                 if part.leaf >= self.topology.rails:
                     raise ScenarioError(f"{w}.leaf={part.leaf}: the topology has {self.topology.rails} leaves")
+                if part.host >= self.topology.hosts:
+                    raise ScenarioError(f"{w}.host={part.host}: the topology has {self.topology.hosts} hosts")
         if self.topology.leaf_routing == "sport" and self.faults:
             raise ScenarioError("faults: not supported with topology.leaf_routing=sport (its per-spine routes do not "
                                 "fail over as the hashed multipath route does); use a separate scenario")

@@ -129,6 +129,19 @@ class Acceptance(unittest.TestCase):
         self.assertAlmostEqual(c.data["rtts"], 0.151 / 0.030)
         self.assertIn("limit 5 RTTs", c.detail)
 
+    def test_a_faults_own_recovery_limit_overrides_the_scenarios(self):
+        runs = [r for r in good_runs() if r["label"] != "alltoall_f/spray/blackhole"]
+        runs.append(run("alltoall_f", "spray", fault="blackhole", cct=3.0, reroute_b=0.151))
+        scn = with_k(self.scn, 5)
+        scn.faults[0].recovery_rtts_max = 6
+        c = by_name(checks.evaluate(scn, runs))["recovery.blackhole.spray"]
+        self.assertTrue(c.ok, c.detail)
+        self.assertIn("limit 6 RTTs", c.detail)
+        scn = with_k(self.scn, None)
+        scn.faults[0].recovery_rtts_max = 4
+        cs = by_name(checks.evaluate(scn, runs))
+        self.assertFalse(cs["recovery.blackhole.spray"].ok, "the fault's limit applies without the scenario's")
+
     def test_the_rtt_is_the_fault_free_runs_not_the_fault_runs(self):
         # The fault run's own RTT (inflated by the loss) must not stretch the limit.
         runs = [r for r in good_runs() if r["label"] not in ("alltoall_f/pro", "alltoall_f/pro/blackhole")]

@@ -22,6 +22,7 @@ class FakeFabric:
         self.spec = TopologySpec(hosts=4, rails=rails, spines=spines)
         self.leaves = [Node(f"lf{r}") for r in range(rails)]
         self.spines = [Node(f"sp{s}") for s in range(spines)]
+        self.hosts = [Node(f"h{i}") for i in range(4)]
         self.log = []  # (node, command) in order
         self.bw = []
         self.routes_calls = 0
@@ -31,6 +32,9 @@ class FakeFabric:
 
     def spine(self, s):
         return self.spines[s]
+
+    def host(self, i):
+        return self.hosts[i]
 
     def routers(self):
         return self.leaves + self.spines
@@ -149,3 +153,31 @@ class Heal(unittest.TestCase):
 
 if __name__ == "__main__":
     unittest.main()
+
+
+class NicBlackHole(unittest.TestCase):
+    def fault(self):
+        return Fault("nic", "nic_blackhole", "w", ["spray"], host=2, leaf=1, at_s=0.3, heal_after_s=0.5)
+
+    def test_both_ends_of_the_hosts_link_drop_and_only_they(self):
+        fab = FakeFabric()
+        inj = Injector(fab, self.fault())
+        inj.inject()
+        self.assertEqual([n for n, _ in fab.log], ["h2", "lf1"])
+        self.assertIn('device "h2-r1"', fab.log[0][1])
+        self.assertIn('device "lf1-h2"', fab.log[1][1])
+        self.assertTrue(all("meta protocol ip counter drop" in c for _, c in fab.log))
+        inj.heal()
+        self.assertEqual(fab.log[2:], [("h2", "nft flush chain netdev prismfab_fault in_h2_r1"),
+                                       ("lf1", "nft flush chain netdev prismfab_fault in_lf1_h2")])
+        self.assertEqual(fab.routes_calls, 0, "a NIC's black hole takes no route with it")
+        inj.clear()
+        self.assertTrue(any("nft delete table netdev prismfab_fault" in c for c in fab.hosts[2].cmds),
+                        "clear() must remove the table from the host too")
+
+    def test_the_dead_path_is_the_hosts_link_both_ways(self):
+        inj = Injector(FakeFabric(), self.fault())
+        nd = {"h2": {"h2-r1": {"tx_packets": 5, "tx_bytes": 500}, "h2-r0": {"tx_packets": 99, "tx_bytes": 9900}},
+              "lf1": {"lf1-h2": {"tx_packets": 7, "tx_bytes": 700}, "lf1-sp0": {"tx_packets": 50, "tx_bytes": 5000}}}
+        self.assertEqual(inj.dead_path_packets(nd, {}), 12)
+        self.assertEqual(inj.link_bytes(nd), 1200)

@@ -224,6 +224,42 @@ class TrafficAndBound(unittest.TestCase):
         self.assertAlmostEqual(metrics.fault_lower_bound_s(spec, "alltoall", 16 << 20, other)["seconds"],
                                metrics.fault_lower_bound_s(spec, "alltoall", 16 << 20, parts[:1])["seconds"])
 
+    def test_a_dead_nic_leaves_its_host_the_other_nics_from_its_time_on(self):
+        # 4 hosts x 2 rails x 4 spines at 100 Mbit/s: the NICs are the bottleneck (each host sends three
+        # 4 MiB blocks, 12 MiB over two NICs). Host 1's rail-0 NIC dies 0.2 s in: its 12 MiB pass at
+        # 25 MB/s until then and 12.5 MB/s after; the other hosts keep the fault-free bound.
+        spec = TopologySpec(hosts=4, rails=2, spines=4, host_bw_mbit=100, spine_bw_mbit=100)
+        free = metrics.lower_bound_s(spec, "alltoall", 16 << 20)
+        self.assertEqual(free["bottleneck"], "host_send")
+        total = 3 * (4 << 20)
+        self.assertAlmostEqual(free["terms_s"]["host_send"], total / 25e6)
+        parts = [{"kind": "nic_blackhole", "host": 1, "leaf": 0, "at_s": 0.2}]
+        fb = metrics.fault_lower_bound_s(spec, "alltoall", 16 << 20, parts)
+        self.assertAlmostEqual(fb["terms_s"]["host_send"], 0.2 + (total - 0.2 * 25e6) / 12.5e6)
+        self.assertAlmostEqual(fb["terms_s"]["host_recv"], fb["terms_s"]["host_send"])
+        self.assertAlmostEqual(fb["terms_s"]["spine_up"], free["terms_s"]["spine_up"], msg="no spine lost anything")
+        self.assertEqual(fb["parts"][0]["host"], 1)
+        # Healed 0.1 s later: both NICs again from then on; a spine link's heal gives the NIC nothing.
+        healed = parts + [{"kind": "heal", "of": "nic_blackhole", "host": 1, "leaf": 0, "at_s": 0.3}]
+        hb = metrics.fault_lower_bound_s(spec, "alltoall", 16 << 20, healed)
+        self.assertAlmostEqual(hb["terms_s"]["host_send"], 0.3 + (total - 0.2 * 25e6 - 0.1 * 12.5e6) / 25e6)
+        other = parts + [{"kind": "heal", "of": "blackhole", "host": 1, "leaf": 0, "spine": 0, "at_s": 0.3}]
+        self.assertAlmostEqual(metrics.fault_lower_bound_s(spec, "alltoall", 16 << 20, other)["terms_s"]["host_send"],
+                               fb["terms_s"]["host_send"])
+        # A NIC heal does not revive a black-holed spine link of the same leaf.
+        both = [{"kind": "blackhole", "leaf": 0, "spine": 0, "at_s": 0.2},
+                {"kind": "heal", "of": "nic_blackhole", "host": 0, "leaf": 0, "spine": 0, "at_s": 0.3}]
+        self.assertAlmostEqual(metrics.fault_lower_bound_s(spec, "alltoall", 16 << 20, both)["terms_s"]["spine_up"],
+                               metrics.fault_lower_bound_s(spec, "alltoall", 16 << 20, both[:1])["terms_s"]["spine_up"])
+
+    def test_nic_counters_sum_both_ends_of_every_host_link(self):
+        spec = TopologySpec(hosts=2, rails=2, spines=1)
+        nd = {"h0": {"h0-r0": {"tx_packets": 1, "tx_bytes": 10}, "h0-r1": {"tx_packets": 2, "tx_bytes": 20}},
+              "h1": {"h1-r0": {"tx_packets": 4, "tx_bytes": 40}},
+              "lf0": {"lf0-h1": {"tx_packets": 8, "tx_bytes": 80}, "lf0-sp0": {"tx_packets": 100, "tx_bytes": 1000}}}
+        self.assertEqual(metrics.nic_packets(spec, nd), 15)
+        self.assertEqual(metrics.nic_bytes_total(spec, nd), 150)
+
 
 def series(rate_dead, rate_other, n=200, dt=0.01):
     """Cumulative counts from per-sample increments given as functions of time."""

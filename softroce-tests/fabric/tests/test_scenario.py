@@ -79,7 +79,7 @@ class CombinedFaults(unittest.TestCase):
         self.assertEqual(Scenario.from_json(self.fault([], kind="link_down", heal_after_s=1)).faults[0].heal_after_s, 1.0)
         with self.assertRaises(ScenarioError) as cm:
             Scenario.from_json(self.fault([], kind="loss", heal_after_s=0.5))
-        self.assertIn("faults[0].heal_after_s: only a blackhole or link_down heals", str(cm.exception))
+        self.assertIn("faults[0].heal_after_s: only a blackhole, link_down or nic_blackhole heals", str(cm.exception))
         with self.assertRaises(ScenarioError) as cm:
             Scenario.from_json(self.fault([], heal_after_s=0))
         self.assertIn("faults[0].heal_after_s", str(cm.exception))
@@ -88,12 +88,30 @@ class CombinedFaults(unittest.TestCase):
             Scenario.from_json(d)
         self.assertIn("checks.revive_s_max", str(cm.exception))
 
+    def test_a_nic_black_hole_names_its_host_and_rail_and_clashes_only_with_its_own_link(self):
+        scn = Scenario.from_json(self.fault([{"kind": "loss", "spine": 0}], kind="nic_blackhole", host=3, leaf=1,
+                                            spine=0, heal_after_s=0.4))
+        f = scn.faults[0]
+        self.assertEqual((f.kind, f.host, f.leaf, f.heal_after_s), ("nic_blackhole", 3, 1, 0.4))
+        both = self.fault([{"kind": "nic_blackhole", "host": 1, "leaf": 0}], kind="nic_blackhole", host=1, leaf=1)
+        self.assertEqual([p.host for p in Scenario.from_json(both).faults[0].parts()], [1, 1])
+        with self.assertRaises(ScenarioError) as cm:
+            Scenario.from_json(self.fault([{"kind": "nic_blackhole", "host": 1, "leaf": 1}], kind="nic_blackhole",
+                                          host=1, leaf=1))
+        self.assertIn("two nic_blackhole parts on host 1 rail 1", str(cm.exception))
+        with self.assertRaises(ScenarioError) as cm:
+            Scenario.from_json(self.fault([], kind="nic_blackhole", host=4))
+        self.assertIn("faults[0].host=4: the topology has 4 hosts", str(cm.exception))
+
     def test_recovery_limit_and_a_faults_own_ratio_are_read(self):
         d = self.fault([], cct_ratio_max=1.3)
         d["checks"]["recovery_rtts_max"] = 6
         scn = Scenario.from_json(d)
         self.assertEqual((scn.faults[0].cct_ratio_max, scn.checks.recovery_rtts_max), (1.3, 6.0))
         self.assertIsNone(Scenario.from_json(ci()).faults[0].cct_ratio_max)
+        own = Scenario.from_json(self.fault([], recovery_rtts_max=25))
+        self.assertEqual(own.faults[0].recovery_rtts_max, 25.0)
+        self.assertIsNone(Scenario.from_json(ci()).faults[0].recovery_rtts_max)
         d["checks"]["recovery_rtts_max"] = -1
         with self.assertRaises(ScenarioError) as cm:
             Scenario.from_json(d)
