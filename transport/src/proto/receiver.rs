@@ -354,9 +354,9 @@ impl Connection {
         self.tx.ack_pending = false;
         // The first copy goes back along the path the latest DATA came in on, when that was recent:
         // it works, as far as anybody knows, while this end (which only receives) cannot tell its
-        // own paths apart. The other copy rotates, as before any DATA came: with a whole rail
-        // failing (a NIC or its link dead, half the entropies of two rails) both copies often went
-        // into it, and each receive waited for its CTS to be resent.
+        // own paths apart. The other copies rotate, as before any DATA came: with a whole rail
+        // failing (a NIC or its link dead: half the entropies, with two rails) both copies often
+        // went into it, and each receive waited for its CTS to be resent.
         let entropy = match (copy, self.reply_entropy(now)) {
             (false, Some(e)) => e,
             _ => self.ctl_entropy(),

@@ -642,8 +642,11 @@ impl Connection {
                         // planned on, all dead) and nothing is blamed, the policy would put the copy
                         // there again, timeout after timeout (on the rail fabric with a host's NIC
                         // black-holed, one DR connection did so 649 times until its 20 s stall
-                        // limit). It goes on the path proven most recently instead; once it is
-                        // acknowledged, the packets before it are blamed on their paths.
+                        // limit). It goes on the path proven most recently instead (a keepalive's
+                        // answer proves one), so each such loss gets through after one timeout. The
+                        // policy's next picks may still go into the failed paths until a loss there
+                        // is blamed (the stall rule above exempts packets sent while the peer was
+                        // not heard): a crawl, not a stall (`proto_net`'s stuck-window test).
                         self.tx.retx_to_freshest = true;
                         break;
                     }
