@@ -120,7 +120,9 @@ class Injector:
             fab.sh(fab.spine(f.spine), f"ip link set {downlink_if(f.spine, f.leaf)} up")
             fab.routes()
         self.healed = True
-        log.info("fault %s (%s) healed: leaf %s spine %s", f.name, f.kind, leaf_name(f.leaf), spine_name(f.spine))
+        where = (f"host {host_name(f.host)} rail {f.leaf}" if f.kind == "nic_blackhole"
+                 else f"leaf {leaf_name(f.leaf)} spine {spine_name(f.spine)}")
+        log.info("fault %s (%s) healed: %s", f.name, f.kind, where)
 
     def _black_hole_ports(self, f: Fault) -> list:
         """(node, interface) of both ends of a black hole's link."""
@@ -199,9 +201,7 @@ class Injector:
 
     def _nic_counter(self, netdev: dict, key: str) -> int:
         """A NIC fault's link: `key` of the host's interface plus the leaf's port towards it."""
-        f = self.fault
-        return (netdev.get(host_name(f.host), {}).get(host_if(f.host, f.leaf), {}).get(key, 0)
-                + netdev.get(leaf_name(f.leaf), {}).get(leaf_down_if(f.leaf, f.host), {}).get(key, 0))
+        return sum(netdev.get(node.name, {}).get(ifn, {}).get(key, 0) for node, ifn in self._black_hole_ports(self.fault))
 
     def link_bytes(self, netdev: dict) -> int | None:
         """Bytes sent onto the faulty leaf-spine link (both ends' transmit counters) for a black hole or a

@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 
 from .scenario import TopologySpec
-from .topo import downlink_if, host_if, leaf_down_if, leaf_name, spine_name, uplink_if
+from .topo import downlink_if, host_if, host_name, leaf_down_if, leaf_name, spine_name, uplink_if
 
 # Below this many bytes through the spines a balance figure means nothing (only stray packets crossed).
 MIN_SPINE_BYTES = 1 << 20
@@ -338,11 +338,11 @@ def fault_lower_bound_s(spec: TopologySpec, coll: str, size: int, parts: list[di
         # them perfectly from the first byte, pass its NICs as one resource of the live ones' rates.
         steps, dead = [(0.0, spec.rails * host_bps)], set()
         for t, p in events:
-            if p.get("host") != h or p.get("kind") not in ("nic_blackhole", "heal"):
+            fails = p.get("kind") == "nic_blackhole"
+            heals = p.get("kind") == "heal" and p.get("of") == "nic_blackhole"
+            if p.get("host") != h or not (fails or heals):
                 continue
-            if p.get("kind") == "heal" and p.get("of") != "nic_blackhole":
-                continue
-            (dead.add if p["kind"] == "nic_blackhole" else dead.discard)(p.get("leaf"))
+            (dead.add if fails else dead.discard)(p.get("leaf"))
             steps.append((t, (spec.rails - len(dead)) * host_bps))
         return steps
 
@@ -410,7 +410,7 @@ def nic_bytes_total(spec: TopologySpec, netdev: dict) -> int:
 
 
 def _nic_sum(spec: TopologySpec, netdev: dict, key: str) -> int:
-    return sum(netdev.get(f"h{i}", {}).get(host_if(i, r), {}).get(key, 0)
+    return sum(netdev.get(host_name(i), {}).get(host_if(i, r), {}).get(key, 0)
                + netdev.get(leaf_name(r), {}).get(leaf_down_if(r, i), {}).get(key, 0)
                for i in range(spec.hosts) for r in range(spec.rails))
 
