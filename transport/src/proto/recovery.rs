@@ -642,11 +642,10 @@ impl Connection {
                         // planned on, all dead) and nothing is blamed, the policy would put the copy
                         // there again, timeout after timeout (on the rail fabric with a host's NIC
                         // black-holed, one DR connection did so 649 times until its 20 s stall
-                        // limit). It goes on the path proven most recently instead (a keepalive's
-                        // answer proves one), so each such loss gets through after one timeout. The
-                        // policy's next picks may still go into the failed paths until a loss there
-                        // is blamed (the stall rule above exempts packets sent while the peer was
-                        // not heard): a crawl, not a stall (`proto_net`'s stuck-window test).
+                        // limit). It goes on the path proven most recently instead (a keepalive's or
+                        // a probe's answer proves one); once it is acknowledged, the losses of what
+                        // was sent before it are found by time and blamed on their paths
+                        // (`proto_net`'s stuck-window test).
                         self.tx.retx_to_freshest = true;
                         break;
                     }
@@ -659,6 +658,15 @@ impl Connection {
         let tx = &mut self.tx;
         tx.reorder_threshold = (tx.reorder_threshold / 2).max(self.cfg.reorder_threshold);
         self.stats.reorder_threshold = tx.reorder_threshold;
+    }
+
+    /// Whether a packet sent at or after `since` is still in flight on the path proven most recently
+    /// (or no path was ever proven): only then does the peer's silence since `since` say that the
+    /// peer stalled. When every packet sent since went on paths without recent proof (a window
+    /// planned on a rail that failed), silence is what those paths would give with the peer alive.
+    fn asked_on_freshest_since(&self, since: Micros) -> bool {
+        let Some(f) = self.paths.freshest(None) else { return true };
+        self.paths.get(f).queue.iter().any(|t| t.sent_at >= since && self.tx.is_live(t.tx_seq, t.psn))
     }
 
     /// The RTO of the path's oldest packet in flight (transmission `tx_seq`, sent at `sent_at`) expired.
@@ -711,7 +719,7 @@ impl Connection {
             // a black hole (every packet still in flight lost on dead paths, so nothing sent after it
             // could arrive): treating that as a stall exempted every packet in flight at the next SACK,
             // and their timeouts declared the next stall, so a black-holed path was never blamed.
-            let silent = others_stuck && self.last_heard <= sent_at;
+            let silent = others_stuck && self.last_heard <= sent_at && self.asked_on_freshest_since(sent_at);
             self.tx.stalled |= silent;
             self.stats.stall_timeouts += 1;
             tracing::debug!(entropy, silent, "retransmission timeout not blamed on the path");

@@ -226,8 +226,14 @@ impl Connection {
             // packets in flight took all failed (a policy that keeps to a few paths, all behind a
             // failed link) another copy on one of them tells nothing. It goes on a fit path with
             // nothing in flight, nearest after the policy's choice, so successive probes try
-            // different paths and the first that gets through reveals the losses.
-            if let Some(e) = self.nearest_after(&ctx, first, false, &|c: &Self, e| {
+            // different paths and the first that gets through reveals the losses. While the peer is
+            // silent (a stall, or every path the policy picks failed: a window planned on one rail
+            // when that rail's NIC dies) the search starts where control packets rotate to (a
+            // stride near 0.618 of the path count, so successive probes alternate between blocks
+            // of entropies and residues): starting at the policy's pick kept every probe in the
+            // failed rail's block, and the peer was heard again only by a keepalive, 100-200 ms on.
+            let start = if self.tx.stalled { self.paths.ctl_entropy() } else { first };
+            if let Some(e) = self.nearest_after(&ctx, start, false, &|c: &Self, e| {
                 Some(e) != avoid && c.paths.get(e).in_flight == 0 && c.paths.fitness(e, episode) == Fitness::Good
             }) {
                 return e;
