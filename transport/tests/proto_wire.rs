@@ -377,3 +377,36 @@ proptest! {
         prop_assert_eq!(placed, conn.stats().data_bytes_placed);
     }
 }
+
+/// NCCL's LL/LL128 readers trust a line once its flags are new, so no packet boundary may fall inside
+/// a 128-byte line of a receive buffer: every packet starts on a line, and every packet but the one
+/// that ends the message carries whole lines. A conforming sender never breaks that; DATA from the
+/// network that does (a peer of another version, a bug, a forged packet) must be refused before it is
+/// placed, as any other DATA that does not fit its receive.
+#[test]
+fn data_whose_boundaries_fall_inside_a_line_is_refused_and_never_placed() {
+    const BIG: u64 = 1024;
+    let cases = [
+        ("starts inside a line", DataRepr { offset: 64, len: 64, total_len: BIG, ..data_repr() }),
+        ("starts inside a line and ends the message", DataRepr { offset: BIG - 100, len: 100, total_len: BIG, ..data_repr() }),
+        ("an interior packet ends inside a line", DataRepr { offset: 0, len: 100, total_len: BIG, ..data_repr() }),
+        ("an interior packet of one byte", DataRepr { offset: 256, len: 1, total_len: BIG, ..data_repr() }),
+    ];
+    for (what, repr) in cases {
+        let mut conn = Connection::new(ProtoConfig::default(), LOCAL, PEER, Box::new(Spray::new(1)), 0);
+        let id = conn.post_recv(&[RecvSpec { len: BIG, tag: 0 }], 0).expect("post_recv");
+        let mut placer = CheckedPlacer::default();
+        placer.sizes.insert(id, vec![BIG]);
+        conn.handle_datagram(&data(&repr), 1, &mut placer);
+        assert!(placer.placed.is_empty(), "{what}: DATA {}+{} of {} was placed", repr.offset, repr.len, repr.total_len);
+        assert_eq!(conn.stats().dropped.bad_offset_len, 1, "{what}: dropped as outside the posted buffer");
+    }
+    // Whole lines, and a short last packet, are fine.
+    let mut conn = Connection::new(ProtoConfig::default(), LOCAL, PEER, Box::new(Spray::new(1)), 0);
+    let id = conn.post_recv(&[RecvSpec { len: BIG, tag: 0 }], 0).expect("post_recv");
+    let mut placer = CheckedPlacer::default();
+    placer.sizes.insert(id, vec![BIG]);
+    conn.handle_datagram(&data(&DataRepr { psn: 0, offset: 0, len: 256, total_len: 300, ..data_repr() }), 1, &mut placer);
+    conn.handle_datagram(&data(&DataRepr { psn: 1, offset: 256, len: 44, total_len: 300, ..data_repr() }), 1, &mut placer);
+    assert_eq!(placer.placed, vec![(id, 0, 0, 256), (id, 0, 256, 44)]);
+}
