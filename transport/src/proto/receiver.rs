@@ -9,7 +9,7 @@ use super::connection::Connection;
 use super::window::{Arrival, PsnWindow};
 use super::{Completion, Micros, MsgError, MsgId, Placer, RecvSpec, Transmit};
 use crate::wire::sack::ECHO_BY_PSN;
-use crate::wire::{CtsBuf, CtsPacket, CtsRepr, DataRepr, SackPacket, SackRepr, MAX_RECV_BUFS};
+use crate::wire::{CtsBuf, CtsPacket, CtsRepr, DataRepr, SackPacket, SackRepr, LINE_BYTES, MAX_RECV_BUFS};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum SubEnd {
@@ -474,7 +474,12 @@ impl Connection {
             let consistent = sub.total.unwrap_or(d.total_len) == d.total_len;
             let fits = d.total_len <= size && end <= d.total_len && sub.received + u64::from(d.len) <= d.total_len;
             let len_ok = !matches!(payload, Some(p) if p.len() != d.len as usize);
-            if !consistent || !fits || !len_ok {
+            // No packet boundary inside a 128-byte line (NCCL's LL/LL128): a packet starts on a line,
+            // and only the one that ends the message may end inside one. A conforming sender never
+            // breaks this (`transmit.rs`); DATA that does is refused like any DATA that does not fit.
+            let line = LINE_BYTES as u64;
+            let lines_ok = d.offset % line == 0 && (end == d.total_len || u64::from(d.len) % line == 0);
+            if !consistent || !fits || !len_ok || !lines_ok {
                 self.stats.dropped.bad_offset_len += 1;
                 tracing::debug!(offset = d.offset, len = d.len, total = d.total_len, posted = size, "DATA outside the posted buffer");
                 return None;
