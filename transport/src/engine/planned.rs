@@ -83,6 +83,21 @@ impl ChunkMap {
         (offset < self.spans[i].1).then_some(self.run_ends[i])
     }
 
+    /// Where proto's packets, cut at `pkt` bytes from `from` on and at the end of every run of spans
+    /// (rounded up to a line, `Connection::chunk_capped`), first stop lying on the grid of `pkt` from
+    /// `from`: the first run end before `total` at a distance from `from` that is not a whole number
+    /// of packets. Up to there every packet is `pkt` bytes; the one that ends there is shorter.
+    pub(crate) fn layout_break(&self, from: u64, pkt: u64, total: u64) -> Option<u64> {
+        let i = self.spans.partition_point(|s| s.1 <= from);
+        let line = crate::wire::LINE_BYTES as u64;
+        self.run_ends
+            .get(i..)?
+            .iter()
+            .map(|e| e.next_multiple_of(line))
+            .filter(|&e| e > from && e < total)
+            .find(|&e| (e - from) % pkt.max(1) != 0)
+    }
+
     /// Bytes per rail (for stats and tests).
     pub fn rails(&self) -> impl Iterator<Item = (u16, u64)> + '_ {
         self.spans.iter().map(|s| (s.2, s.1 - s.0))
@@ -325,6 +340,31 @@ mod tests {
             }
         }
         assert_eq!(per_rail[0], per_rail[1], "rr alternates rails");
+    }
+
+    /// Where the verbs sender's descriptor runs must stop (`vcomm::desc`): proto cuts a packet at
+    /// every end of a run of chunks on one rail, so 64 KiB packets over 160 KiB chunks alternating
+    /// between two rails leave the 64 KiB grid at every chunk end; 32 KiB packets never do.
+    #[test]
+    fn the_packet_layout_breaks_where_a_run_of_chunks_ends_off_the_packet_grid() {
+        let chunk = 160 * 1024;
+        let rt = runtime(&[("PRISM_RAIL", "rr"), ("PRISM_CHUNK", "163840")], 2);
+        let total = 4 * chunk + 1000;
+        let plan = rt.plan(&prism_lb::SendReq { dst_host: 9, len: total, flow: 1, home_rail: 0 }, 0).unwrap();
+        let rails: Vec<u16> = plan.chunks.iter().map(|c| c.rail).collect();
+        assert!(rails.windows(2).all(|w| w[0] != w[1]), "rr alternates rails: {rails:?}");
+        let map = ChunkMap::from_plan(&plan, 0);
+        let pkt = 64 * 1024;
+        assert_eq!(map.layout_break(0, pkt, total), Some(chunk));
+        assert_eq!(map.layout_break(2 * pkt, pkt, total), Some(chunk), "the short packet itself");
+        assert_eq!(map.layout_break(chunk, pkt, total), Some(2 * chunk));
+        assert_eq!(map.layout_break(3 * chunk, pkt, total), Some(4 * chunk));
+        assert_eq!(map.layout_break(4 * chunk, pkt, total), None, "the last chunk ends the message");
+        assert_eq!(map.layout_break(0, 32 * 1024, total), None, "32 KiB packets fit every chunk end");
+        // One rail: one run, the message's.
+        let one = runtime(&[("PRISM_CHUNK", "163840")], 1);
+        let plan = one.plan(&prism_lb::SendReq { dst_host: 9, len: total, flow: 1, home_rail: 0 }, 0).unwrap();
+        assert_eq!(ChunkMap::from_plan(&plan, 0).layout_break(0, pkt, total), None);
     }
 
     #[test]

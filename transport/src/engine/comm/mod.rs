@@ -505,7 +505,7 @@ impl CommCore {
     fn transmit(&mut self, now: u64) {
         let tx = match &mut self.backend {
             CommBackend::Udp(tx) => tx,
-            CommBackend::Verbs(v) => return v.transmit(&mut self.conn, now, &self.requests.sends),
+            CommBackend::Verbs(v) => return v.transmit(&mut self.conn, now, &self.requests.sends, &self.lb.plans),
             CommBackend::Closed => return,
         };
         let UdpTx { bufs, meta, by_rail } = tx;

@@ -28,8 +28,15 @@ impl DescTx {
     /// The descriptor DATA packet `d` belongs to, and whether it must be sent before the packet's
     /// WRITE: a new run (the first packet of a buffer, or one the current run does not describe
     /// exactly) or a retransmission (its descriptor may have been lost). `pkt` is proto's payload
-    /// per packet.
-    pub(super) fn describe(&mut self, d: &DataRepr, pkt: u32) -> (DescRepr, bool) {
+    /// per packet; `layout_break` says where, from a packet's offset on, proto's packets first stop
+    /// being `pkt` bytes each before the buffer's end (a plan chunk that is not a whole number of
+    /// packets, `ChunkMap::layout_break`), asked only when a new run begins.
+    ///
+    /// A run describes no packet past that break: its WRITEs travel on other QPs than the descriptor
+    /// of the run after the break and may overtake it, and the receiver would rebuild them from the
+    /// earlier run, whose whole-packet spacing no longer holds there (the wrong offset; proto then
+    /// refused the real packet as overlapping and the receive ended on the stall watchdog).
+    pub(super) fn describe(&mut self, d: &DataRepr, pkt: u32, layout_break: impl FnOnce(u64) -> Option<u64>) -> (DescRepr, bool) {
         let key = (d.cts_seq, d.sub);
         if let Some(r) = self.runs.get_mut(&key) {
             if r.place(d.psn, d.len) == Some(d.offset) {
@@ -44,6 +51,11 @@ impl DescTx {
         }
         let rest = d.total_len.saturating_sub(d.offset);
         let pkt = pkt.max(1);
+        let npkts = match layout_break(d.offset).filter(|&b| b > d.offset && b < d.total_len) {
+            // Whole packets up to the break; the short one that ends there gets a run of its own.
+            Some(b) => ((b - d.offset) / u64::from(pkt)).max(1),
+            None => rest.div_ceil(u64::from(pkt)),
+        };
         let mut r = DescRepr {
             sub: d.sub,
             token: d.token,
@@ -53,7 +65,7 @@ impl DescTx {
             offset: d.offset,
             total_len: d.total_len,
             pkt_bytes: pkt,
-            npkts: rest.div_ceil(u64::from(pkt)).clamp(1, u64::from(u32::MAX)) as u32,
+            npkts: npkts.clamp(1, u64::from(u32::MAX)) as u32,
         };
         if r.place(d.psn, d.len) != Some(d.offset) {
             // Not proto's usual packet: a run of its own.
@@ -211,6 +223,19 @@ pub(super) mod tests {
         }
     }
 
+    /// No plan: proto's packets are all `PKT` bytes but a buffer's last.
+    fn no_break(_: u64) -> Option<u64> {
+        None
+    }
+
+    /// A plan of `chunk`-byte chunks, each on another rail than its neighbours (what
+    /// `ChunkMap::layout_break` says for it; tested there).
+    fn chunks(chunk: u64, total: u64) -> impl FnOnce(u64) -> Option<u64> {
+        move |from| {
+            (1..).map(|k| k * chunk).skip_while(|&e| e <= from).take_while(|&e| e < total).find(|&e| (e - from) % u64::from(PKT) != 0)
+        }
+    }
+
     fn parsed(h: &[u8; DATA_HEADER_LEN]) -> DataRepr {
         DataRepr::parse(&DataPacket::new_checked_header(&h[..]).unwrap()).unwrap()
     }
@@ -225,7 +250,7 @@ pub(super) mod tests {
         let mut tx = DescTx::default();
         let mut sent = Vec::new();
         for p in &pkts {
-            let (desc, send) = tx.describe(p, PKT);
+            let (desc, send) = tx.describe(p, PKT, no_break);
             if send {
                 sent.push(desc);
             }
@@ -253,11 +278,11 @@ pub(super) mod tests {
     fn a_newer_cts_acknowledgement_resends_the_descriptor() {
         let total = 3 * u64::from(PKT);
         let mut tx = DescTx::default();
-        assert!(tx.describe(&data(10, 0, PKT, total, false), PKT).1);
-        let (d, send) = tx.describe(&DataRepr { cts_ack: 4, ..data(11, u64::from(PKT), PKT, total, false) }, PKT);
+        assert!(tx.describe(&data(10, 0, PKT, total, false), PKT, no_break).1);
+        let (d, send) = tx.describe(&DataRepr { cts_ack: 4, ..data(11, u64::from(PKT), PKT, total, false) }, PKT, no_break);
         assert!(send, "the acknowledgement moved from 3 to 4");
         assert_eq!((d.cts_ack, d.first_psn, d.offset), (4, 10, 0), "the same run, with the new acknowledgement");
-        assert!(!tx.describe(&DataRepr { cts_ack: 4, ..data(12, 2 * u64::from(PKT), PKT, total, false) }, PKT).1);
+        assert!(!tx.describe(&DataRepr { cts_ack: 4, ..data(12, 2 * u64::from(PKT), PKT, total, false) }, PKT, no_break).1);
         let mut rx = DescRx::new(512);
         let mut out = Vec::new();
         rx.on_desc(d, &mut out);
@@ -269,9 +294,9 @@ pub(super) mod tests {
     fn a_retransmission_resends_the_descriptor_and_keeps_its_flag() {
         let total = 2 * u64::from(PKT);
         let mut tx = DescTx::default();
-        assert!(tx.describe(&data(10, 0, PKT, total, false), PKT).1);
-        assert!(!tx.describe(&data(11, u64::from(PKT), PKT, total, false), PKT).1);
-        let (d, send) = tx.describe(&data(11, u64::from(PKT), PKT, total, true), PKT);
+        assert!(tx.describe(&data(10, 0, PKT, total, false), PKT, no_break).1);
+        assert!(!tx.describe(&data(11, u64::from(PKT), PKT, total, false), PKT, no_break).1);
+        let (d, send) = tx.describe(&data(11, u64::from(PKT), PKT, total, true), PKT, no_break);
         assert!(send);
         let mut rx = DescRx::new(512);
         let mut out = Vec::new();
@@ -286,7 +311,7 @@ pub(super) mod tests {
     fn undescribed_writes_are_held_bounded_and_never_rebuilt_wrongly() {
         let total = 2 * u64::from(PKT);
         let mut tx = DescTx::default();
-        let (d, _) = tx.describe(&data(10, 0, PKT, total, false), PKT);
+        let (d, _) = tx.describe(&data(10, 0, PKT, total, false), PKT, no_break);
         let mut rx = DescRx::new(512);
         let mut out = Vec::new();
         rx.on_desc(d, &mut out);
@@ -310,7 +335,7 @@ pub(super) mod tests {
         let mut tx = DescTx::default();
         for i in 0..3000u64 {
             let d = DataRepr { cts_seq: i, ..data(10_000 + i, 0, 128, 128, false) };
-            rx.on_desc(tx.describe(&d, PKT).0, &mut out);
+            rx.on_desc(tx.describe(&d, PKT, no_break).0, &mut out);
         }
         assert_eq!(rx.descs.len(), 2064);
         rx.on_write(0, imm_of(10_000 + 3000 - 2000, false), 128, &mut out);
@@ -320,12 +345,104 @@ pub(super) mod tests {
         assert_eq!(DescRx::new(0).max_descs, RX_DESCS);
     }
 
+    /// A plan chunk that is not a whole number of packets (two verbs rails, PRISM_CHUNK = 160 KiB
+    /// over 64 KiB packets: `chunk_capped` cuts a 32 KiB packet at every chunk end) puts a short
+    /// packet in the middle of a buffer. The buffer's first descriptor went out before anybody knew:
+    /// it describes every later PSN of the buffer at whole-packet spacing. The second WRITE of the
+    /// run that starts after the short packet travels on another QP than that run's descriptor and
+    /// may arrive before it; it must not be rebuilt from the stale first descriptor: its offset
+    /// would be wrong, proto would count the wrong bytes, the packet that really holds those bytes
+    /// would then be refused as overlapping on every retransmission, and the receive could only
+    /// end by the stall watchdog.
+    #[test]
+    fn a_write_after_a_short_packet_is_never_rebuilt_from_the_stale_first_descriptor() {
+        let pkt = u64::from(PKT);
+        let chunk = 160 * 1024u64;
+        let total = 2 * chunk;
+        // (psn, offset, len) as proto cuts them: two 64 KiB packets, the 32 KiB rest of the chunk,
+        // and again for the second chunk.
+        let pkts: Vec<(u64, u64, u64)> = (0..2u64)
+            .flat_map(|c| {
+                let base = c * chunk;
+                [(100 + 3 * c, base, pkt), (101 + 3 * c, base + pkt, pkt), (102 + 3 * c, base + 2 * pkt, chunk - 2 * pkt)]
+            })
+            .collect();
+        let mut tx = DescTx::default();
+        let descs: Vec<(DescRepr, bool)> =
+            pkts.iter().map(|&(psn, off, len)| tx.describe(&data(psn, off, len as u32, total, false), PKT, chunks(chunk, total))).collect();
+        let sent: Vec<u64> = descs.iter().filter(|d| d.1).map(|d| d.0.first_psn).collect();
+        assert_eq!(sent, vec![100, 102, 103], "runs start at the buffer, at the short packet and after it (the last one ends the buffer)");
+        let mut rx = DescRx::new(512);
+        let mut out = Vec::new();
+        // The first descriptor came; PSN 104 (true offset 224 KiB) took another QP than the
+        // descriptor of its run (PSN 103's) and arrives before it.
+        rx.on_desc(descs[0].0, &mut out);
+        rx.on_write(3, imm_of(104, false), PKT, &mut out);
+        for h in &out {
+            let d = parsed(h);
+            assert_eq!(d.offset, pkts[4].1, "PSN {} rebuilt at offset {} (its bytes are at {})", d.psn, d.offset, pkts[4].1);
+        }
+        // Once the run's own descriptor comes, the WRITE is placed where its bytes are.
+        rx.on_desc(descs[3].0, &mut out);
+        let got: Vec<(u64, u64)> = out.iter().map(parsed).map(|d| (d.psn, d.offset)).collect();
+        assert_eq!(got, vec![(104, pkts[4].1)]);
+    }
+
+    /// The same arrival order end to end: every WRITE of the buffer above lands (the NIC writes
+    /// it where the sender's CTS keys say), descriptors and WRITEs reach the receiver in the order
+    /// the QPs deliver them, and the rebuilt headers go to the receiving connection. The receive
+    /// must complete; with a header rebuilt from the stale descriptor it cannot.
+    #[test]
+    fn a_buffer_with_a_short_packet_in_its_middle_completes_whatever_order_its_writes_come_in() {
+        use crate::proto::{Completion, Connection, ProtoConfig, RecvSpec};
+        let pkt = u64::from(PKT);
+        let chunk = 160 * 1024u64;
+        let total = 2 * chunk;
+        let pkts: Vec<(u64, u64, u64)> = (0..2u64)
+            .flat_map(|c| {
+                let base = c * chunk;
+                [(3 * c, base, pkt), (1 + 3 * c, base + pkt, pkt), (2 + 3 * c, base + 2 * pkt, chunk - 2 * pkt)]
+            })
+            .collect();
+        let mut tx = DescTx::default();
+        let mut rx = DescRx::new(512);
+        let mut conn = Connection::new(ProtoConfig::default(), 7, 8, Box::new(prism_lb::path::Spray::new(1)), 0);
+        let id = conn.post_recv(&[RecvSpec { len: total, tag: 0 }], 0).expect("post_recv");
+        let mut out = Vec::new();
+        let mut descs = Vec::new();
+        for &(psn, off, len) in &pkts {
+            let d = DataRepr { token: 7, cts_ack: 0, cts_seq: 0, sub: 0, ..data(psn, off, len as u32, total, false) };
+            let (desc, send) = tx.describe(&d, PKT, chunks(chunk, total));
+            descs.push(send.then_some(desc));
+        }
+        // Descriptor of PSN 0, then the WRITE of PSN 4 (another QP than PSN 3's descriptor), then
+        // everything else in PSN order, each descriptor just before its run's first WRITE.
+        rx.on_desc(descs[0].expect("the first packet starts a run"), &mut out);
+        rx.on_write(1, imm_of(4, false), PKT, &mut out);
+        for (k, &(psn, _, len)) in pkts.iter().enumerate().filter(|&(k, _)| k != 4) {
+            if let Some(d) = descs[k] {
+                rx.on_desc(d, &mut out);
+            }
+            rx.on_write(0, imm_of(psn, false), len as u32, &mut out);
+        }
+        for h in &out {
+            conn.handle_rebuilt_data(h, 10);
+        }
+        let done = std::iter::from_fn(|| conn.poll_completion()).find(|c| matches!(c, Completion::Received { msg, .. } if *msg == id));
+        assert!(
+            done.is_some(),
+            "the receive did not complete although every byte landed: {} headers rebuilt, drops {:?}",
+            out.len(),
+            conn.stats().dropped
+        );
+    }
+
     /// A packet that is not proto's usual size gets a run of its own, described exactly.
     #[test]
     fn an_odd_packet_gets_its_own_run() {
         let total = 10 * u64::from(PKT);
         let mut tx = DescTx::default();
-        let (d, send) = tx.describe(&data(50, 3 * 4096, 4096, total, false), PKT);
+        let (d, send) = tx.describe(&data(50, 3 * 4096, 4096, total, false), PKT, no_break);
         assert!(send);
         assert_eq!((d.pkt_bytes, d.npkts, d.offset), (4096, 1, 3 * 4096));
         assert_eq!(d.place(50, 4096), Some(3 * 4096));

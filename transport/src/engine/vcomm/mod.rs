@@ -22,6 +22,7 @@ mod recreate;
 use self::bounce::{fill_fragment, frag_len, BounceTx, Reassembly};
 use self::desc::{DescRx, DescTx};
 use self::fence::{parse_fence, Fences};
+use super::planned::Plans;
 use super::revive::{self, QpCtlRx, Revive};
 use super::TransportError;
 use crate::backend::verbs::{Depths, MrKeys, PostFail, QpSet, QpStats, RailPeer, RxEvent, VerbsDevice, SLOT_BYTES};
@@ -387,10 +388,10 @@ impl VerbsComm {
 
     /// Post what proto wants to send; `sends` are NCCL's send buffers (a retransmission's fragments
     /// are copied from them).
-    pub fn transmit(&mut self, conn: &mut Connection, now: u64, sends: &HashMap<MsgId, Box<dyn SendBuf>>) {
+    pub fn transmit(&mut self, conn: &mut Connection, now: u64, sends: &HashMap<MsgId, Box<dyn SendBuf>>, plans: &Plans) {
         self.flush_fences(conn);
         self.post_bounces(sends);
-        self.queue_transmit(conn, now);
+        self.queue_transmit(conn, now, plans);
         self.post_bounces(sends);
         self.flush_posts();
     }
@@ -429,7 +430,7 @@ impl VerbsComm {
         }
     }
 
-    fn queue_transmit(&mut self, conn: &mut Connection, now: u64) {
+    fn queue_transmit(&mut self, conn: &mut Connection, now: u64, plans: &Plans) {
         let mut rec = Recorder::default();
         for _ in 0..MAX_TX {
             rec.last = None;
@@ -439,7 +440,7 @@ impl VerbsComm {
             let q = (t.entropy % self.paths) as usize;
             let ptype = Header::new_checked(&self.txbuf[..t.len]).ok().and_then(|h| h.packet_type().ok());
             let res = match ptype {
-                Some(PacketType::Data) => self.post_data(rail, q, t.len, rec.last),
+                Some(PacketType::Data) => self.post_data(rail, q, t.len, rec.last, plans),
                 Some(PacketType::Cts) => self.post_cts(rail, q, t.len),
                 _ => self.rails[rail].post_send(q, &self.txbuf[..t.len]).map_err(Some),
             };
@@ -453,7 +454,14 @@ impl VerbsComm {
     }
 
     /// Err(None): not posted, already counted.
-    fn post_data(&mut self, rail: usize, q: usize, len: usize, read: Option<(MsgId, u64, usize)>) -> Result<(), Option<PostFail>> {
+    fn post_data(
+        &mut self,
+        rail: usize,
+        q: usize,
+        len: usize,
+        read: Option<(MsgId, u64, usize)>,
+        plans: &Plans,
+    ) -> Result<(), Option<PostFail>> {
         let bytes = &self.txbuf[..len];
         let Ok(d) = DataPacket::new_checked(bytes).and_then(|p| DataRepr::parse(&p)) else { return Err(None) };
         if d.len == 0 || d.trunc {
@@ -498,7 +506,10 @@ impl VerbsComm {
         let rkey = keys.rkey[sub][rail.min(CTS_MAX_KEY_RAILS - 1)];
         let laddr = (local.addr as u64) + off;
         let lkey = local.keys[rail].lkey;
-        let (desc, send_desc) = self.desc_tx.describe(&d, self.max_payload);
+        let pkt = u64::from(self.max_payload);
+        let (desc, send_desc) = self
+            .desc_tx
+            .describe(&d, self.max_payload, |from| plans.lock().get(&msg.0).and_then(|m| m.layout_break(from, pkt, d.total_len)));
         let desc = desc.to_bytes();
         let desc = send_desc.then_some(&desc[..]);
         let posted = self.rails[rail].post_data(q, laddr, lkey, n as u32, raddr, rkey, d.psn, d.retx, desc);
