@@ -115,7 +115,7 @@ fn handle_for(net: &Net, port: u16) -> [u8; HANDLE_LEN] {
     handle
 }
 
-/// A correct reply to `hello`: same nonce, echo of its token, one UDP rail.
+/// A correct reply to `hello`: same nonce, echo of its token, one UDP rail, the same largest datagram.
 fn reply_to(hello: &[u8; HELLO_LEN]) -> [u8; HELLO_LEN] {
     let mut r = [0u8; HELLO_LEN];
     r[0..5].copy_from_slice(&hello[0..5]);
@@ -124,6 +124,7 @@ fn reply_to(hello: &[u8; HELLO_LEN]) -> [u8; HELLO_LEN] {
     r[16..24].copy_from_slice(&0x5eed_u64.to_be_bytes());
     r[32..40].copy_from_slice(&hello[16..24]);
     r[40] = 2;
+    r[44..48].copy_from_slice(&hello[44..48]);
     r[48..52].copy_from_slice(&[127, 0, 0, 1]);
     r[52..54].copy_from_slice(&9u16.to_be_bytes());
     r
@@ -172,6 +173,25 @@ fn a_reply_with_another_listeners_nonce_is_refused() {
     let (res, _, _) = connect_until_done(&net, &mut handle);
     let Err(e) = res else { panic!("a reply with another listener's nonce was accepted") };
     assert!(e.to_string().contains("another listener or another connect"), "{e}");
+}
+
+#[test]
+fn a_reply_whose_largest_datagram_cannot_hold_a_packet_is_refused() {
+    // 64 header bytes and one 128-byte line is the least DATA packet; a peer that takes less (or
+    // says nothing, 0) could receive nothing.
+    for max_dgram in [0u32, 191] {
+        let net = net("5000");
+        let fake = FakeListener::new(move |hello| {
+            let mut r = reply_to(hello);
+            r[44..48].copy_from_slice(&max_dgram.to_be_bytes());
+            r
+        });
+        let mut handle = handle_for(&net, fake.port);
+        let (res, took, _) = connect_until_done(&net, &mut handle);
+        let Err(e) = res else { panic!("a peer that takes datagrams of {max_dgram} bytes was accepted") };
+        assert!(e.to_string().contains(&format!("at most {max_dgram} bytes")), "{e}");
+        assert!(took < Duration::from_secs(2), "{took:?}");
+    }
 }
 
 #[test]

@@ -18,6 +18,7 @@ use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 use prism_transport::engine::{Listener, Net, TransportConfig, HANDLE_LEN};
+use prism_transport::wire::HELLO_VERSION;
 use socket2::{Domain, Protocol, SockAddr, Socket, Type};
 
 const ROLE: &str = "PRISM_LIS_ROLE";
@@ -144,13 +145,14 @@ fn attacker() {
             let nonce = u64::from_str_radix(w[2], 16).unwrap();
             let mut m = [0u8; HELLO_LEN];
             m[0..4].copy_from_slice(b"PRSM");
-            m[4] = 4;
+            m[4] = HELLO_VERSION;
             m[6] = 1;
             m[7] = w[3].parse().unwrap();
             m[8..16].copy_from_slice(&nonce.to_be_bytes());
             m[16..24].copy_from_slice(&0x1234u64.to_be_bytes());
             m[28..32].copy_from_slice(&(1u32 << 20).to_be_bytes());
             m[40] = 1;
+            m[44..48].copy_from_slice(&9000u32.to_be_bytes());
             m[48..52].copy_from_slice(&[127, 0, 0, 1]);
             m[52..54].copy_from_slice(&9u16.to_be_bytes());
             let mut msg = m.to_vec();

@@ -9,6 +9,7 @@ use std::time::{Duration, Instant};
 
 use common::{pair, CopySend, SharedRecv, VecSend};
 use prism_transport::engine::{Net, RecvBuf, RecvComm, SendBuf, SendComm, TransportConfig, TransportError, HANDLE_LEN};
+use prism_transport::wire::HELLO_VERSION;
 
 fn pattern(seed: u64, len: usize) -> Vec<u8> {
     (0..len).map(|i| ((i as u64).wrapping_mul(2654435761).wrapping_add(seed * 97) >> 7) as u8).collect()
@@ -143,7 +144,7 @@ fn silent_peer(net: &Net) -> (SendComm, std::net::UdpSocket) {
     let udp = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
     let mut handle = [0u8; HANDLE_LEN];
     handle[0..4].copy_from_slice(b"PRSM");
-    handle[4] = 4;
+    handle[4] = HELLO_VERSION;
     handle[6..8].copy_from_slice(&tcp.local_addr().unwrap().port().to_be_bytes());
     handle[8..12].copy_from_slice(&[127, 0, 0, 1]);
     handle[12..20].copy_from_slice(&77u64.to_be_bytes());
@@ -154,12 +155,13 @@ fn silent_peer(net: &Net) -> (SendComm, std::net::UdpSocket) {
         s.read_exact(&mut hello).unwrap();
         let mut reply = [0u8; 144];
         reply[0..4].copy_from_slice(b"PRSM");
-        reply[4] = 4;
+        reply[4] = HELLO_VERSION;
         reply[6] = 1; // one rail; byte 7 = 0: UDP backend; bytes 28..32 = 0: no verbs block
         reply[8..16].copy_from_slice(&77u64.to_be_bytes());
         reply[16..24].copy_from_slice(&0x5eed_u64.to_be_bytes());
         reply[32..40].copy_from_slice(&hello[16..24]); // echo of the connector's token
         reply[40] = 2; // a reply
+        reply[44..48].copy_from_slice(&hello[44..48]); // takes what the connector takes
         reply[48..52].copy_from_slice(&[127, 0, 0, 1]);
         reply[52..54].copy_from_slice(&udp_port.to_be_bytes());
         s.write_all(&reply).unwrap();

@@ -41,6 +41,7 @@ fn fake_peer(tcp: TcpListener, udp: UdpSocket, stop: Arc<AtomicBool>) -> (u64, u
     reply[16..24].copy_from_slice(&0x5eed_u64.to_be_bytes());
     reply[32..40].copy_from_slice(&hello[16..24]);
     reply[40] = 2;
+    reply[44..48].copy_from_slice(&hello[44..48]);
     reply[48..52].copy_from_slice(&[127, 0, 0, 1]);
     reply[52..54].copy_from_slice(&udp.local_addr().unwrap().port().to_be_bytes());
     s.write_all(&reply).unwrap();

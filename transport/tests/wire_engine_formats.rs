@@ -22,10 +22,11 @@ fn arb_hello() -> impl Strategy<Value = HelloRepr> {
         any::<u64>(),
         0..=HELLO_MAX_BLOCK as u32,
         prop::collection::vec((any::<u32>(), any::<u16>()), 1..=wire::HELLO_MAX_RAILS),
+        any::<u32>(),
     )
-        .prop_map(|(kind, status, backend, nonce, token, host, echo, block_len, rails)| {
+        .prop_map(|(kind, status, backend, nonce, token, host, echo, block_len, rails, max_dgram)| {
             let rails: Vec<SocketAddrV4> = rails.into_iter().map(|(a, p)| SocketAddrV4::new(Ipv4Addr::from(a), p)).collect();
-            HelloRepr::new(kind, status, backend, nonce, token, host, echo, block_len, &rails).unwrap()
+            HelloRepr::new(kind, status, backend, nonce, token, host, echo, block_len, &rails).unwrap().with_max_dgram(max_dgram)
         })
 }
 

@@ -77,7 +77,8 @@ impl NetInner {
         let rails: Vec<SocketAddrV4> = self.rails.iter().map(|r| SocketAddrV4::new(r.addr, r.port())).collect();
         // At most 16 rails (checked when the engine starts, so this cannot fail) and a block far below 4 GiB.
         let repr = HelloRepr::new(kind, status, self.hello_backend(), nonce, token, self.host_id, echo, block.len() as u32, &rails)
-            .map_err(|e| TransportError::Config(format!("handshake: {e}")))?;
+            .map_err(|e| TransportError::Config(format!("handshake: {e}")))?
+            .with_max_dgram(self.max_datagram() as u32);
         let mut m = repr.to_vec();
         m.extend_from_slice(&block);
         Ok(m)
@@ -91,6 +92,13 @@ impl NetInner {
                 "the peer uses the {} backend, this end {} (set the same PRISM_TRANSPORT on both)",
                 h.backend.name(),
                 ours.name()
+            )));
+        }
+        let least = wire::MAX_HEADER_LEN + wire::MIN_PAYLOAD;
+        if (h.max_dgram as usize) < least {
+            return Err(TransportError::ConnectionFailed(format!(
+                "the peer takes datagrams of at most {} bytes, fewer than the {least} of a DATA packet of one 128-byte line",
+                h.max_dgram
             )));
         }
         if let Some(v) = verbs.as_mut() {
@@ -374,7 +382,7 @@ impl Connector {
         let home = pc.dev as u16;
         let plans = Plans::default();
         let rate: SharedRate = Arc::new(Mutex::new(inner.lb_rt.rate_controller()));
-        let conn = inner.connection(pc.token, h.token, h.host, home, &plans, &rate);
+        let conn = inner.connection(pc.token, &h, home, &plans, &rate);
         tracing::info!(rail = %inner.rails[pc.dev].info.name, peer = %h.rails()[0], rails = h.rails().len(), "send comm connected");
         let core = CommCore::new(inner.clone(), conn, pc.token, h.rails().to_vec(), h.host, home, plans, rate, "send", pc.verbs.take());
         Ok(Some(SendComm::new(adopt(inner, core))))

@@ -262,7 +262,7 @@ impl Listener {
             // Registered before the reply leaves, so the sender's first datagram finds its comm.
             let plans = Plans::default();
             let rate: SharedRate = Arc::new(Mutex::new(self.inner.lb_rt.rate_controller()));
-            let conn = self.inner.connection(token, h.token, h.host, self.dev, &plans, &rate);
+            let conn = self.inner.connection(token, &h, self.dev, &plans, &rate);
             let core = CommCore::new(self.inner.clone(), conn, token, h.rails().to_vec(), h.host, self.dev, plans, rate, "recv", verbs);
             let comm = RecvComm::new(adopt(&self.inner, core));
             p.reply = Some((reply, 0, comm));

@@ -95,7 +95,7 @@ impl ChunkMap {
             .iter()
             .map(|e| e.next_multiple_of(line))
             .filter(|&e| e > from && e < total)
-            .find(|&e| (e - from) % pkt.max(1) != 0)
+            .find(|&e| !(e - from).is_multiple_of(pkt.max(1)))
     }
 
     /// Bytes per rail (for stats and tests).

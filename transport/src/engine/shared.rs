@@ -19,6 +19,7 @@ use super::vcomm::VerbsComm;
 use super::{TransportConfig, TransportError};
 use crate::backend::verbs::VerbsDevice;
 use crate::proto::{Connection, ProtoConfig};
+use crate::wire::HelloRepr;
 
 /// State every comm shares: configuration, clock, rails, statistics of closed comms.
 pub(crate) struct NetInner {
@@ -68,23 +69,50 @@ impl NetInner {
         }
     }
 
-    /// A protocol connection whose path policy follows the lb plans stored in `plans` and reports
-    /// to `rate`.
-    pub(super) fn connection(&self, local: u64, peer: u64, peer_host: u32, home: u16, plans: &Plans, rate: &SharedRate) -> Connection {
+    /// The largest datagram this engine takes on every rail, header included (told to peers in the
+    /// HELLO).
+    pub(super) fn max_datagram(&self) -> usize {
+        self.rails.iter().map(|r| r.max_datagram).min().unwrap_or(0)
+    }
+
+    /// A protocol connection to the peer whose HELLO is `h`, whose path policy follows the lb plans
+    /// stored in `plans` and reports to `rate`.
+    ///
+    /// On UDP its packets fit the peer's largest datagram as well as ours: a receiver cuts every
+    /// datagram to its own largest (`Rail::new`) and drops what is longer, so a sender with a larger
+    /// `PRISM_MTU` (or interface MTU) than its peer had every DATA packet dropped, retransmissions
+    /// included, until the stall watchdog failed the transfer. (On verbs a WRITE's size is the
+    /// sender's business; the receiver's work requests take any.)
+    pub(super) fn connection(&self, local: u64, h: &HelloRepr, home: u16, plans: &Plans, rate: &SharedRate) -> Connection {
+        let (peer, peer_host) = (h.token, h.host);
+        let mut proto = self.proto.clone();
+        if !self.is_verbs() {
+            let fit = (h.max_dgram as usize).saturating_sub(crate::wire::MAX_HEADER_LEN);
+            let fit = (fit - fit % crate::wire::LINE_BYTES).max(crate::wire::MIN_PAYLOAD);
+            if fit < proto.max_payload {
+                tracing::info!(
+                    peer_max_datagram = h.max_dgram,
+                    payload = fit,
+                    own_payload = proto.max_payload,
+                    "the peer takes smaller datagrams than this end: this connection's packets carry {fit} bytes"
+                );
+                proto.max_payload = fit;
+            }
+        }
         let seed = self.conn_seed();
         // UDP with GSO: runs of `PRISM_UDP_TRAIN` datagrams per entropy (verbs packets are whole
         // 64 KiB WRITEs already, and without GSO a run saves nothing).
         let train = match self.rails.first().and_then(|r| r.backend.udp()) {
-            Some(u) if u.gso() => match self.cfg.train_pkts(self.rails.len(), self.proto.max_payload + crate::wire::MAX_HEADER_LEN) {
+            Some(u) if u.gso() => match self.cfg.train_pkts(self.rails.len(), proto.max_payload + crate::wire::MAX_HEADER_LEN) {
                 1 => 0,
-                n => u64::from(n) * self.proto.max_payload as u64,
+                n => u64::from(n) * proto.max_payload as u64,
             },
             _ => 0,
         };
         let policy = PlannedPaths::new(&self.lb_rt, peer_host as usize, self.rails.len() as u16, self.cfg.paths, home, seed, plans.clone())
             .with_rate(rate.clone())
             .with_train(train);
-        Connection::new(self.proto.clone(), local, peer, Box::new(policy), self.now_us())
+        Connection::new(proto, local, peer, Box::new(policy), self.now_us())
     }
 
     /// Is this engine on the verbs backend?

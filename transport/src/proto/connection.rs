@@ -578,10 +578,14 @@ impl Connection {
         }
     }
 
-    /// Counters (serializable).
     /// Change how many DATA packets may be in flight (a rate controller's window); at least 1.
     pub fn set_window_pkts(&mut self, n: u32) {
         self.cfg.window_pkts = n.max(1);
+    }
+
+    /// Payload bytes of this connection's DATA packets (every one but a buffer's last).
+    pub fn max_payload(&self) -> usize {
+        self.cfg.max_payload
     }
 
     /// The current in-flight window, in DATA packets.
@@ -589,6 +593,7 @@ impl Connection {
         self.cfg.window_pkts
     }
 
+    /// Counters (serializable).
     pub fn stats(&self) -> &ConnStats {
         &self.stats
     }

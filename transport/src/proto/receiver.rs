@@ -478,7 +478,7 @@ impl Connection {
             // and only the one that ends the message may end inside one. A conforming sender never
             // breaks this (`transmit.rs`); DATA that does is refused like any DATA that does not fit.
             let line = LINE_BYTES as u64;
-            let lines_ok = d.offset % line == 0 && (end == d.total_len || u64::from(d.len) % line == 0);
+            let lines_ok = d.offset.is_multiple_of(line) && (end == d.total_len || u64::from(d.len).is_multiple_of(line));
             if !consistent || !fits || !len_ok || !lines_ok {
                 self.stats.dropped.bad_offset_len += 1;
                 tracing::debug!(offset = d.offset, len = d.len, total = d.total_len, posted = size, "DATA outside the posted buffer");

@@ -4,7 +4,7 @@
 //! Layout (144 bytes, big-endian; its own magic and version, unrelated to the datagram [`super::VERSION`]):
 //! ```text
 //!   0..4    magic        "PRSM"
-//!   4       version      HELLO_VERSION (4)
+//!   4       version      HELLO_VERSION (5)
 //!   5       status       0 = ok; a refusing reply carries 1
 //!   6       rails        number of rails (1..=16)
 //!   7       backend      0 = UDP, 1 = verbs
@@ -14,7 +14,9 @@
 //!  28..32   block_len    bytes of the block that follows the 144 bytes (0 on UDP, at most 1 MiB)
 //!  32..40   echo         in a reply: the token of the HELLO it answers; 0 in a HELLO
 //!  40       kind         1 = HELLO, 2 = reply
-//!  41..48   zero
+//!  41..44   zero
+//!  44..48   max_dgram    the largest datagram the sender takes on its rails, header included
+//!                        (version 5; the peer's DATA packets on UDP are cut to fit it)
 //!  48..144  rails        16 × (IPv4 address, UDP port); entries past `rails` are zero
 //! ```
 //! Checked by [`HelloPacket::new_checked`]: length, magic, version. Checked by [`HelloRepr::parse`]:
@@ -30,7 +32,7 @@ pub const HELLO_LEN: usize = 144;
 /// Magic of a HELLO.
 pub const HELLO_MAGIC: &[u8; 4] = b"PRSM";
 /// Handshake version this build speaks.
-pub const HELLO_VERSION: u8 = 4;
+pub const HELLO_VERSION: u8 = 5;
 /// Most rails a HELLO lists.
 pub const HELLO_MAX_RAILS: usize = 16;
 /// Largest block after a HELLO.
@@ -46,6 +48,7 @@ const HOST: usize = 24;
 const BLOCK_LEN: usize = 28;
 const ECHO: usize = 32;
 const KIND: usize = 40;
+const MAX_DGRAM: usize = 44;
 const RAILS: usize = 48;
 const RAIL_LEN: usize = 6;
 
@@ -150,6 +153,10 @@ impl<T: AsRef<[u8]>> HelloPacket<T> {
     pub fn kind_code(&self) -> u8 {
         self.b()[KIND]
     }
+    /// The largest datagram the sender takes on its rails.
+    pub fn max_dgram(&self) -> u32 {
+        u32_at(self.b(), MAX_DGRAM)
+    }
     /// Rail `i` (any of the 16 slots).
     pub fn rail(&self, i: usize) -> SocketAddrV4 {
         let o = RAILS + RAIL_LEN * i;
@@ -177,6 +184,9 @@ pub struct HelloRepr {
     pub echo: u64,
     /// Bytes of the block that follows.
     pub block_len: u32,
+    /// The largest datagram the sender takes on its rails, header included (0 until set with
+    /// [`HelloRepr::with_max_dgram`]; the engine refuses a peer whose value is too small to use).
+    pub max_dgram: u32,
     rails: [SocketAddrV4; HELLO_MAX_RAILS],
     nrails: u8,
 }
@@ -201,7 +211,12 @@ impl HelloRepr {
         }
         let mut r = [SocketAddrV4::new(Ipv4Addr::UNSPECIFIED, 0); HELLO_MAX_RAILS];
         r[..rails.len()].copy_from_slice(rails);
-        Ok(Self { kind, status, backend, nonce, token, host, echo, block_len, rails: r, nrails: rails.len() as u8 })
+        Ok(Self { kind, status, backend, nonce, token, host, echo, block_len, max_dgram: 0, rails: r, nrails: rails.len() as u8 })
+    }
+
+    /// The same HELLO saying that its sender takes datagrams of at most `max_dgram` bytes.
+    pub fn with_max_dgram(self, max_dgram: u32) -> Self {
+        Self { max_dgram, ..self }
     }
 
     /// The rails listed.
@@ -242,6 +257,7 @@ impl HelloRepr {
             host: p.host(),
             echo: p.echo(),
             block_len,
+            max_dgram: p.max_dgram(),
             rails,
             nrails: n as u8,
         })
@@ -267,6 +283,7 @@ impl HelloRepr {
         put_u32(b, BLOCK_LEN, self.block_len);
         put_u64(b, ECHO, self.echo);
         b[KIND] = self.kind as u8;
+        put_u32(b, MAX_DGRAM, self.max_dgram);
         for (i, r) in self.rails().iter().enumerate() {
             let o = RAILS + RAIL_LEN * i;
             b[o..o + 4].copy_from_slice(&r.ip().octets());
@@ -300,16 +317,17 @@ mod tests {
             &rails,
         )
         .unwrap()
+        .with_max_dgram(9000)
     }
 
-    /// The bytes the engine's hand-written HELLO encoder (engine/net.rs before the wire module) produced
-    /// for `sample()`: the handshake stays byte-for-byte what version 4 always was.
+    /// Version 4's bytes for `sample()` (as the engine's hand-written encoder before the wire module
+    /// produced them), with version 5's version byte and largest datagram (9000 at 44..48).
     #[test]
-    fn emit_matches_the_version_4_golden_bytes() {
+    fn emit_matches_the_version_5_golden_bytes() {
         let mut want = vec![0u8; HELLO_LEN];
         want[..48].copy_from_slice(&[
-            b'P', b'R', b'S', b'M', 4, 0, 2, 1, 1, 2, 3, 4, 5, 6, 7, 8, 0x11, 0x12, 0x13, 0x14, 0x15, 0x16, 0x17, 0x18, 0xa1, 0xa2, 0xa3,
-            0xa4, 0, 0, 0, 0x54, 0xb1, 0xb2, 0xb3, 0xb4, 0xb5, 0xb6, 0xb7, 0xb8, 2, 0, 0, 0, 0, 0, 0, 0,
+            b'P', b'R', b'S', b'M', 5, 0, 2, 1, 1, 2, 3, 4, 5, 6, 7, 8, 0x11, 0x12, 0x13, 0x14, 0x15, 0x16, 0x17, 0x18, 0xa1, 0xa2, 0xa3,
+            0xa4, 0, 0, 0, 0x54, 0xb1, 0xb2, 0xb3, 0xb4, 0xb5, 0xb6, 0xb7, 0xb8, 2, 0, 0, 0, 0, 0, 0x23, 0x28,
         ]);
         want[48..60].copy_from_slice(&[10, 0, 0, 1, 0x12, 0x34, 10, 1, 2, 3, 0xff, 0xff]);
         assert_eq!(sample().to_vec(), want);

@@ -385,7 +385,7 @@ impl CommCore {
                     if let Some(sent_us) = self.lb.posted_at.remove(&msg) {
                         // The window is applied as proto's packet window: packets in flight, in bytes.
                         let pkts: u64 = self.conn.stats().paths.iter().map(|p| u64::from(p.in_flight)).sum();
-                        let in_flight = pkts * self.net.proto.max_payload as u64 + len;
+                        let in_flight = pkts * self.conn.max_payload() as u64 + len;
                         let sample = prism_lb::MessageSample { bytes: len, sent_us, done_us: now, in_flight };
                         self.lb.rate.lock().message_done(&sample);
                     }
@@ -443,7 +443,7 @@ impl CommCore {
     /// Turn the rate controller's byte window into proto's packet window (never above `PRISM_WINDOW`).
     fn apply_rate(&mut self) {
         let bytes = self.lb.rate.lock().window_bytes();
-        let pkt = self.net.proto.max_payload.max(1) as u64;
+        let pkt = self.conn.max_payload().max(1) as u64;
         let pkts = (bytes / pkt).clamp(1, u64::from(self.net.cfg.window_pkts)) as u32;
         if pkts != self.conn.window_pkts() {
             self.conn.set_window_pkts(pkts);
