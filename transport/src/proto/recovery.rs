@@ -117,6 +117,10 @@ pub(super) struct Echo {
     congested: bool,
 }
 
+/// Copies written off by tail-loss probes kept until a later transmission is acknowledged (probes
+/// back off exponentially: a handful are outstanding at most).
+const PROBED_COPIES: usize = 16;
+
 impl Connection {
     /// Hand the policy what the paths reported, in order.
     pub(super) fn flush_feedback(&mut self) {
@@ -386,7 +390,29 @@ impl Connection {
         if tx.snd_una != una {
             tx.una_moved_at = now;
         }
+        self.blame_probed_copies(now);
         self.detect_losses(now);
+    }
+
+    /// A tail-loss probe writes off the packet it sends again without blaming the old copy's path
+    /// (nothing was heard at all, which may be the peer's doing). Once a transmission sent after that
+    /// copy is acknowledged, the copy's loss is what the time-based rule blames: its path did not
+    /// deliver while another did. Without it, when a rail failed under a connection whose last burst
+    /// crossed before the failure on some of that rail's paths (so those stayed alive and proven),
+    /// each probe of the tail went to one of them, was lost, and was written off by the next probe,
+    /// four times in a row; and the next message's packets went there again (`proto_net`'s
+    /// receive-only rail test, seed 7: 4 timeouts 5 ms after the failure).
+    fn blame_probed_copies(&mut self, now: Micros) {
+        while let Some(&(entropy, tx_seq, sent_at)) = self.tx.probed_copies.front() {
+            if tx_seq >= self.tx.acked_tx_end {
+                break;
+            }
+            self.tx.probed_copies.pop_front();
+            let blame = self.blame_loss(entropy, sent_at, now);
+            let own_path = self.paths.get(entropy).delivered_tx_end > tx_seq;
+            self.paths.push_event(Feedback::Nack { entropy, own_path, now_us: now });
+            self.paths.lost(entropy, tx_seq, sent_at, blame, now, &mut self.stats.paths);
+        }
     }
 
     /// The time-based rule and the count rule over every transmission sent before RACK's reference;
@@ -514,7 +540,13 @@ impl Connection {
             // One timeout writes off every expired packet of its path at once; it counts once, in
             // `path_timeout`, so a lost tail SACK does not look like a run of losses.
             LossCause::Timeout => self.stats.timeout_losses += 1,
-            LossCause::Probe => {}
+            LossCause::Probe => {
+                let copies = &mut self.tx.probed_copies;
+                if copies.len() >= PROBED_COPIES {
+                    copies.pop_front();
+                }
+                copies.push_back((entropy, tx_seq, sent_at));
+            }
         }
         self.clean_path_front(entropy);
     }

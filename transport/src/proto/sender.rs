@@ -157,6 +157,10 @@ pub(crate) struct TxState {
     pub(crate) stalled: bool,
     /// Losses of packets sent before this instant (the end of the last stall) blame no path.
     pub(crate) exempt_before: Micros,
+    /// Copies a tail-loss probe wrote off (entropy, transmission, send time), oldest first, at most
+    /// `PROBED_COPIES`: held against their paths once a transmission sent after them is acknowledged
+    /// (`Connection::blame_probed_copies`).
+    pub(crate) probed_copies: VecDeque<(u16, u64, Micros)>,
     pub(crate) retx_queue: VecDeque<u64>,
     pub(crate) in_flight: u32,
     sends: VecDeque<SendMsg>,
@@ -214,6 +218,7 @@ impl TxState {
             tlp_tx_seq: None,
             stalled: false,
             exempt_before: 0,
+            probed_copies: VecDeque::new(),
             retx_queue: VecDeque::new(),
             in_flight: 0,
             sends: VecDeque::new(),
