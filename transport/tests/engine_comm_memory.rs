@@ -1,7 +1,7 @@
-//! Audit 2: what one open comm pair costs in resident memory. NCCL opens hundreds to thousands of
-//! comms per process (channels x peers x directions); each UDP comm allocates BATCH (64) transmit
-//! buffers of a full datagram (64 x 8,972 bytes, 561 KiB) for its whole life, although `transmit`
-//! fills and sends them within one call and never keeps anything in them between calls. One test in
+//! What one open comm pair costs in resident memory. NCCL opens hundreds to thousands of comms per
+//! process (channels x peers x directions); each UDP comm allocated BATCH (64) transmit buffers of a
+//! full datagram (64 x 8,972 bytes, 561 KiB) for its whole life, although `transmit` fills and sends
+//! them within one call and keeps nothing in them between calls (now the transmitting thread's). One test in
 //! its own file (its own process), so that no other test's allocations move the RSS it measures.
 
 mod common;

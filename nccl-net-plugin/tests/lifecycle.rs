@@ -1,4 +1,4 @@
-//! Audit 2: the plugin driven as NCCL drives it, over long runs and from several threads.
+//! The plugin driven as NCCL drives it, over long runs and from several threads.
 
 use std::ffi::{c_int, c_void};
 use std::ptr::null_mut;
@@ -13,6 +13,13 @@ use common::Ctx;
 
 static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
 
+/// The tests measure this process's memory, descriptors and threads, which a test running beside
+/// them would move: one at a time.
+fn serial() -> std::sync::MutexGuard<'static, ()> {
+    static LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    LOCK.lock().unwrap_or_else(|e| e.into_inner())
+}
+
 fn rss_kb() -> u64 {
     let s = std::fs::read_to_string("/proc/self/status").unwrap();
     let line = s.lines().find(|l| l.starts_with("VmRSS:")).expect("VmRSS");
@@ -23,8 +30,14 @@ fn fds() -> usize {
     std::fs::read_dir("/proc/self/fd").unwrap().count()
 }
 
+/// Prism's threads in this process (named `prism-*`; the test harness's own threads come and go
+/// with the tests it runs).
 fn threads() -> usize {
-    std::fs::read_dir("/proc/self/task").unwrap().count()
+    std::fs::read_dir("/proc/self/task")
+        .unwrap()
+        .flatten()
+        .filter(|e| std::fs::read_to_string(e.path().join("comm")).is_ok_and(|c| c.starts_with("prism")))
+        .count()
 }
 
 #[derive(Clone, Copy)]
@@ -146,6 +159,7 @@ fn close(send: *mut c_void, recv: *mut c_void) {
 /// 1,000 communicator lifetimes: init, connect, data, close, finalize; nothing may grow.
 #[test]
 fn a_thousand_init_connect_close_finalize_cycles_leave_nothing() {
+    let _serial = serial();
     let _serial = ONE_AT_A_TIME.lock();
     let cycle = |i: usize| {
         let ctx = Ctx::init(&[]);
@@ -172,6 +186,7 @@ fn a_thousand_init_connect_close_finalize_cycles_leave_nothing() {
 /// 1,000 comm pairs opened and closed on one context (no finalize in between).
 #[test]
 fn a_thousand_comm_pairs_on_one_context_leave_nothing() {
+    let _serial = serial();
     let _serial = ONE_AT_A_TIME.lock();
     let ctx = Ctx::init(&[]);
     for i in 0..50 {
@@ -197,6 +212,7 @@ fn a_thousand_comm_pairs_on_one_context_leave_nothing() {
 /// comm pairs moving data, while contexts are finalized and re-initialized.
 #[test]
 fn communicators_on_several_threads_with_init_and_finalize_racing() {
+    let _serial = serial();
     let _serial = ONE_AT_A_TIME.lock();
     if std::env::var_os("PRISM_IFNAMES").is_none() {
         std::env::set_var("PRISM_IFNAMES", "lo");
@@ -232,6 +248,7 @@ fn communicators_on_several_threads_with_init_and_finalize_racing() {
 /// 300 pairs open at once through the plugin, data on all.
 #[test]
 fn three_hundred_pairs_through_the_plugin() {
+    let _serial = serial();
     let _serial = ONE_AT_A_TIME.lock();
     let ctx = Ctx::init(&[]);
     let fd0 = fds();
