@@ -437,6 +437,40 @@ pub(super) mod tests {
         );
     }
 
+    /// A WRITE whose descriptor never came (the descriptor SEND was lost on UC, or with a QP that
+    /// died while later WRITEs of the run took live QPs) waits in `held`, and nothing ages it out
+    /// but `RX_HELD` newer waiting WRITEs: on a healthy connection it stays for good. The
+    /// immediate carries only the PSN's low 31 bits, so 2^31 PSNs later (36 minutes of one-packet
+    /// messages at 10^6 per second) the descriptor of a new receive whose run contains the same
+    /// low bits rebuilds the stale WRITE as that receive's packet, before the packet's own WRITE
+    /// landed: proto counts bytes that are not in the buffer yet and completes the receive early
+    /// (NCCL reads stale data; the real WRITE then lands in a buffer NCCL has back).
+    #[test]
+    fn a_stale_held_write_is_not_rebuilt_for_a_run_2_pow_31_psns_later() {
+        let mut rx = DescRx::new(512);
+        let mut tx = DescTx::default();
+        let mut out = Vec::new();
+        // PSN 5 (a 128-byte message, CTS 5): its WRITE came, its descriptor never did. proto
+        // resent it as fragments and the receive completed long ago.
+        rx.on_write(0, imm_of(5, false), 128, &mut out);
+        assert!(out.is_empty());
+        // A long healthy run of one-packet messages: every WRITE rebuilt from its descriptor.
+        for i in 6..2000u64 {
+            let d = DataRepr { cts_seq: i, ..data(i, 0, 128, 128, false) };
+            rx.on_desc(tx.describe(&d, PKT, no_break).0, &mut out);
+            rx.on_write(0, imm_of(i, false), 128, &mut out);
+        }
+        assert_eq!(out.len(), 1994);
+        out.clear();
+        // 2^31 PSNs after PSN 5: the descriptor of a new 128-byte message (CTS 10^9) comes; its
+        // WRITE has not landed yet.
+        let psn = 5 + (1u64 << 31);
+        let d = DataRepr { cts_seq: 1_000_000_000, ..data(psn, 0, 128, 128, false) };
+        rx.on_desc(tx.describe(&d, PKT, no_break).0, &mut out);
+        let rebuilt: Vec<(u64, u64)> = out.iter().map(parsed).map(|h| (h.psn, h.cts_seq)).collect();
+        assert!(rebuilt.is_empty(), "the stale WRITE of PSN 5 was rebuilt as {rebuilt:?}: the receive completes before its WRITE landed");
+    }
+
     /// A packet that is not proto's usual size gets a run of its own, described exactly.
     #[test]
     fn an_odd_packet_gets_its_own_run() {
