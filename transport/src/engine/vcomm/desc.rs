@@ -113,7 +113,13 @@ struct Held {
     entropy: u16,
     imm: u32,
     len: u32,
+    /// The newest run's first PSN when it came: its own PSN is near it (the immediate carries 31
+    /// bits; a WRITE still waiting 2^30 PSNs later is stale and goes).
+    near: u64,
 }
+
+/// PSNs after which a waiting WRITE is stale (half the immediate's 31-bit span).
+const HELD_SPAN: u64 = 1 << 30;
 
 /// Receiver side: the descriptors received and the WRITEs waiting for theirs.
 #[derive(Default)]
@@ -143,6 +149,10 @@ impl DescRx {
         }
         let held = std::mem::take(&mut self.held);
         for h in held {
+            if d.first_psn.abs_diff(h.near) >= HELD_SPAN {
+                self.counters.writes_held_dropped += 1;
+                continue;
+            }
             match rebuild(&d, h) {
                 Some(hdr) => {
                     self.counters.writes_rebuilt += 1;
@@ -156,7 +166,8 @@ impl DescRx {
     /// A WRITE placed `len` bytes with immediate `imm` on entropy `entropy`: its rebuilt header in
     /// `out`, or it waits for its descriptor.
     pub(super) fn on_write(&mut self, entropy: u16, imm: u32, len: u32, out: &mut Vec<[u8; DATA_HEADER_LEN]>) {
-        let h = Held { entropy, imm, len };
+        let near = self.descs.last_key_value().map_or(0, |(&k, _)| k);
+        let h = Held { entropy, imm, len, near };
         if let Some(hdr) = self.descs.values().rev().find_map(|d| rebuild(d, h)) {
             self.counters.writes_rebuilt += 1;
             out.push(hdr);
