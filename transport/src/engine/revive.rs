@@ -321,6 +321,34 @@ mod tests {
         assert_eq!(conn.state, State::Live);
     }
 
+    /// Both ends ask at once and the connector wins, but the acceptor's REQ was resent (every
+    /// 100 ms while unanswered) and a copy is still on its way when the connector connects to the
+    /// acceptor's ACK. That copy names the acceptor's QP as it was before it answered (its first
+    /// PSN since changed: answering reset the QP again). The connector must not reset its freshly
+    /// connected QP and connect it to that stale PSN: on RC both QPs then expect PSNs the other
+    /// no longer sends, every WRITE is refused until both die again, and the acceptor ignores the
+    /// connector's ACK (it is live), so the path stays down a whole extra re-creation cycle.
+    #[test]
+    fn a_late_copy_of_the_losing_req_does_not_reset_the_winner_again() {
+        let mut conn = Revive::new(0, 0);
+        let mut acc = Revive::new(0, 0);
+        conn.tick(0, true, || true);
+        acc.tick(0, true, || true);
+        assert_eq!(conn.tick(0, true, || true), Action::Reset);
+        assert_eq!(acc.tick(0, true, || true), Action::Reset);
+        let req_c = conn.asking(0, 0x100, 1);
+        let req_a = acc.asking(0, 0x200, 2);
+        assert_eq!(acc.tick(RESEND_US, true, || true), Action::Send(req_a), "resent, unanswered");
+        assert_eq!(conn.on_ctl(&req_a, true), (Action::Nothing, true));
+        assert_eq!(acc.on_ctl(&req_c, false), (Action::ResetAndConnect { qpn: 0x100, psn: 1 }, false));
+        let ack = acc.answered(&req_c, 0x200, 3);
+        assert_eq!(conn.on_ctl(&ack, true), (Action::Connect { qpn: 0x200, psn: 3 }, false));
+        conn.connected();
+        // The resent copy arrives now.
+        assert_eq!(conn.on_ctl(&req_a, true).0, Action::Nothing, "the winner re-created its live QP for a REQ the peer gave up");
+        assert_eq!(conn.state, State::Live);
+    }
+
     #[test]
     fn a_qp_revived_by_the_peer_leaves_the_dead_state() {
         let mut r = Revive::new(0, 0);
