@@ -93,11 +93,13 @@ pub(crate) struct Revive {
     epoch: u32,
     /// The last REQ we answered: (peer's epoch, peer's PSN) and our ACK.
     answered: Option<(u32, u32, QpCtl)>,
+    /// The newest peer epoch our own REQ won over: copies of it still on the way are stale.
+    overruled: u32,
 }
 
 impl Revive {
     pub(crate) fn new(rail: u8, q: u16) -> Self {
-        Self { rail, q, state: State::Live, backoff: MIN_BACKOFF_US, epoch: 0, answered: None }
+        Self { rail, q, state: State::Live, backoff: MIN_BACKOFF_US, epoch: 0, answered: None, overruled: 0 }
     }
 
     /// Periodic step: `dead` = the QP is dead now, `port_active` = its rail's port is up (asked only
@@ -186,8 +188,13 @@ impl Revive {
                         return (Action::Nothing, true);
                     }
                 }
+                if c.epoch <= self.overruled {
+                    return (Action::Nothing, true);
+                }
                 if we_win && matches!(self.state, State::Asking { .. }) {
-                    // The peer answers ours.
+                    // The peer answers ours (and gives this attempt up: its next one has a newer
+                    // epoch).
+                    self.overruled = c.epoch;
                     return (Action::Nothing, true);
                 }
                 (Action::ResetAndConnect { qpn: c.qpn, psn: c.psn }, false)
