@@ -319,6 +319,20 @@ mod tests {
         assert_eq!((c.receives_held, c.fence_requests, c.fences_received), (0, 0, 0));
     }
 
+    /// A send that fails (the peer closed, or went silent) is never reported through `sent`: the
+    /// comm only calls `release` for it. Its registrations must still stay while one of its
+    /// WRITEs is queued (the NIC reads the send buffer until the WRITE leaves the send queue), and
+    /// go when it left.
+    #[test]
+    fn a_failed_send_keeps_its_registrations_while_its_write_is_queued() {
+        let mut tx = Fences::new(false);
+        tx.posted(7, B, SEND);
+        // proto failed the send; the comm releases it (`VerbsComm::release`).
+        assert!(tx.keeps(SEND), "released while its WRITE is still in the send queue");
+        assert_eq!(tx.write_done(7), Some(SEND), "released once the WRITE left");
+        assert!(tx.msg_target.is_empty() && tx.release_later.is_empty());
+    }
+
     /// UC: a receive whose packets all came by WRITE completes at once; one with a packet that came
     /// by fragments asks for a FENCE at once and holds until it comes, which the sender sends once
     /// no WRITE into the buffer is queued.
