@@ -130,8 +130,10 @@ impl Fences {
         }
     }
 
-    /// Must send `msg`'s registrations stay (a WRITE of it is still queued)?
-    pub(super) fn keeps(&self, msg: MsgId) -> bool {
+    /// Must send `msg`'s registrations stay (a WRITE of it is still queued)? A send that failed
+    /// was never reported through `sent`: it is done now all the same.
+    pub(super) fn keeps(&mut self, msg: MsgId) -> bool {
+        self.sent(msg);
         self.release_later.values().any(|m| *m == msg)
     }
 
