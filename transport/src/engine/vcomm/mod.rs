@@ -336,10 +336,7 @@ impl VerbsComm {
                     if let Some(c) = keyed_cts(b) {
                         if c.keys.is_some_and(|k| k.rails as usize == nrails) {
                             counters.keyed_cts_received += 1;
-                            remote.insert(c.cts_seq, c);
-                            while remote.len() > MAX_REMOTE_CTS {
-                                remote.pop_first();
-                            }
+                            keep_keyed_cts(remote, c);
                         }
                     }
                     conn.handle_datagram(b, now, &mut NoPlacement);
@@ -612,6 +609,14 @@ impl VerbsTotals {
     }
 }
 
+/// Keep keyed CTS `c`: the sender's WRITEs into its buffers need its addresses and rkeys.
+fn keep_keyed_cts(remote: &mut BTreeMap<u64, CtsRepr>, c: CtsRepr) {
+    remote.insert(c.cts_seq, c);
+    while remote.len() > MAX_REMOTE_CTS {
+        remote.pop_first();
+    }
+}
+
 /// A keyed CTS, parsed (None for anything else).
 fn keyed_cts(b: &[u8]) -> Option<CtsRepr> {
     let h = Header::new_checked(b).ok()?;
@@ -619,4 +624,103 @@ fn keyed_cts(b: &[u8]) -> Option<CtsRepr> {
         return None;
     }
     CtsPacket::new_checked(b).and_then(|p| CtsRepr::parse(&p)).ok().filter(|c| c.keys.is_some())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::proto::{Completion, RecvSpec};
+
+    struct Zeros;
+    impl PayloadSource for Zeros {
+        fn read(&mut self, _: MsgId, _: u64, out: &mut [u8]) {
+            out.fill(0);
+        }
+    }
+
+    /// A sender and a receiver connection over a lossless network; every CTS the sender gets is
+    /// keyed (as `post_cts` keys it) and kept as `poll` keeps it; `unkeyed` lists the CTS
+    /// sequence numbers of DATA the sender emitted whose keys `remote` no longer held (`post_data`
+    /// posts none of them: `missing_keys`).
+    struct Pair {
+        s: Connection,
+        r: Connection,
+        now: u64,
+        remote: BTreeMap<u64, CtsRepr>,
+        unkeyed: Vec<u64>,
+        received: usize,
+    }
+
+    impl Pair {
+        fn new() -> Self {
+            let cfg = ProtoConfig::default();
+            let s = Connection::new(cfg.clone(), 1, 2, Box::new(prism_lb::path::Spray::new(1)), 0);
+            let r = Connection::new(cfg, 2, 1, Box::new(prism_lb::path::Spray::new(2)), 0);
+            Self { s, r, now: 0, remote: BTreeMap::new(), unkeyed: Vec::new(), received: 0 }
+        }
+
+        fn pump(&mut self) {
+            let mut buf = vec![0u8; 70_000];
+            for _ in 0..100 {
+                self.now += 100;
+                let now = self.now;
+                for c in [&mut self.s, &mut self.r] {
+                    if c.poll_timeout().is_some_and(|t| t <= now) {
+                        c.handle_timeout(now);
+                    }
+                }
+                while let Some(t) = self.s.poll_transmit(now, &mut Zeros, &mut buf) {
+                    let b = &buf[..t.len];
+                    let is_data = Header::new_checked(b).ok().and_then(|h| h.packet_type().ok()) == Some(PacketType::Data);
+                    if is_data {
+                        let d = DataPacket::new_checked(b).and_then(|p| DataRepr::parse(&p)).expect("DATA");
+                        if d.len > 0 && !self.remote.contains_key(&d.cts_seq) {
+                            self.unkeyed.push(d.cts_seq);
+                        }
+                    }
+                    self.r.handle_datagram(b, now, &mut NoPlacement);
+                }
+                while let Some(t) = self.r.poll_transmit(now, &mut Zeros, &mut buf) {
+                    let b = &buf[..t.len];
+                    let is_cts = Header::new_checked(b).ok().and_then(|h| h.packet_type().ok()) == Some(PacketType::Cts);
+                    if is_cts {
+                        let mut c = CtsPacket::new_checked(b).and_then(|p| CtsRepr::parse(&p)).expect("CTS");
+                        c.keys = Some(CtsKeys { rails: 1, ..CtsKeys::default() });
+                        keep_keyed_cts(&mut self.remote, c);
+                    }
+                    self.s.handle_datagram(b, now, &mut NoPlacement);
+                }
+                while self.s.poll_completion().is_some() {}
+                while let Some(c) = self.r.poll_completion() {
+                    self.received += usize::from(matches!(c, Completion::Received { .. }));
+                }
+            }
+        }
+    }
+
+    /// The sender keeps the newest `MAX_REMOTE_CTS` keyed CTS, assuming older ones are long
+    /// matched. With tags they need not be: a grouped receive whose tag-2 buffer waits for a
+    /// tag-2 send stays open at both ends (proto holds its CTS group) while any number of
+    /// tag-1 messages go by, each with a CTS of its own. Once 1,024 of them went, the group's keys
+    /// are gone: the tag-2 send's DATA is never posted (`missing_keys`), nor its retransmissions,
+    /// and the receiver will not send the CTS again (the sender acknowledged it). The receive hangs
+    /// until the stall watchdog fails every request of the connection. UDP delivers it.
+    #[test]
+    fn a_cts_group_waiting_for_one_tag_keeps_its_keys_while_other_tags_go_by() {
+        let mut p = Pair::new();
+        let spec = |tag| RecvSpec { len: 128, tag };
+        p.r.post_recv(&[spec(1), spec(2)], 0).expect("grouped receive");
+        p.s.post_send(128, 1, 0).expect("send");
+        p.pump();
+        for _ in 0..(MAX_REMOTE_CTS + 16) {
+            p.r.post_recv(&[spec(1)], p.now).expect("receive");
+            p.s.post_send(128, 1, p.now).expect("send");
+            p.pump();
+        }
+        assert_eq!(p.received, MAX_REMOTE_CTS + 16, "every tag-1 receive completed");
+        assert!(p.unkeyed.is_empty());
+        p.s.post_send(128, 2, p.now).expect("the tag-2 send");
+        p.pump();
+        assert!(p.unkeyed.is_empty(), "DATA for CTS {:?} found no keys: never posted, the grouped receive hangs", p.unkeyed);
+    }
 }
