@@ -583,6 +583,15 @@ impl Connection {
         self.cfg.window_pkts = n.max(1);
     }
 
+    /// Whether the sender may still send DATA into the receive buffers of CTS `cts_seq`: its group
+    /// waits for sends to match (a grouped receive's other tags), or a matched send into it is not
+    /// fully sent, or a packet of it is unacknowledged (a retransmission needs its buffer too). The
+    /// verbs sender keeps the addresses and keys of such a CTS: dropping them by age alone hung a
+    /// grouped receive whose second tag came after 1,024 other receives.
+    pub fn cts_in_use(&self, cts_seq: u64) -> bool {
+        self.tx.cts_in_use(cts_seq) || self.gates.parked.as_ref().is_some_and(|(p, _)| p.cts_seq == cts_seq)
+    }
+
     /// Payload bytes of this connection's DATA packets (every one but a buffer's last).
     pub fn max_payload(&self) -> usize {
         self.cfg.max_payload

@@ -189,6 +189,14 @@ impl TxState {
         }
     }
 
+    /// See [`super::Connection::cts_in_use`] (all but the packet parked at a start gate).
+    pub(crate) fn cts_in_use(&self, cts_seq: u64) -> bool {
+        self.groups.iter().any(|g| g.seq == cts_seq)
+            || self.cts_ahead.contains_key(&cts_seq)
+            || self.tx_queue.iter().any(|it| it.cts_seq == cts_seq)
+            || self.ring.iter().any(|p| p.cts_seq == cts_seq && p.state != PktState::Sacked)
+    }
+
     pub(crate) fn new(reorder_threshold: u32) -> Self {
         Self {
             next_psn: 0,

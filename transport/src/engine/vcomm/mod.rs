@@ -336,7 +336,7 @@ impl VerbsComm {
                     if let Some(c) = keyed_cts(b) {
                         if c.keys.is_some_and(|k| k.rails as usize == nrails) {
                             counters.keyed_cts_received += 1;
-                            keep_keyed_cts(remote, c);
+                            keep_keyed_cts(remote, c, |s| conn.cts_in_use(s));
                         }
                     }
                     conn.handle_datagram(b, now, &mut NoPlacement);
@@ -609,11 +609,20 @@ impl VerbsTotals {
     }
 }
 
-/// Keep keyed CTS `c`: the sender's WRITEs into its buffers need its addresses and rkeys.
-fn keep_keyed_cts(remote: &mut BTreeMap<u64, CtsRepr>, c: CtsRepr) {
-    remote.insert(c.cts_seq, c);
-    while remote.len() > MAX_REMOTE_CTS {
-        remote.pop_first();
+/// Keep keyed CTS `c`: the sender's WRITEs into its buffers need its addresses and rkeys. Past
+/// `MAX_REMOTE_CTS`, the oldest that proto no longer sends into (`in_use`) goes; one it still does
+/// stays however old (a grouped receive's buffer waiting for its tag): proto bounds those itself
+/// (CTS groups held, the window).
+fn keep_keyed_cts(remote: &mut BTreeMap<u64, CtsRepr>, c: CtsRepr, in_use: impl Fn(u64) -> bool) {
+    let seq = c.cts_seq;
+    remote.insert(seq, c);
+    let excess = remote.len().saturating_sub(MAX_REMOTE_CTS);
+    if excess > 0 {
+        // (The new one is not proto's yet: it parses the CTS after this.)
+        let old: Vec<u64> = remote.keys().copied().filter(|&s| s != seq && !in_use(s)).take(excess).collect();
+        for s in old {
+            remote.remove(&s);
+        }
     }
 }
 
@@ -686,7 +695,7 @@ mod tests {
                     if is_cts {
                         let mut c = CtsPacket::new_checked(b).and_then(|p| CtsRepr::parse(&p)).expect("CTS");
                         c.keys = Some(CtsKeys { rails: 1, ..CtsKeys::default() });
-                        keep_keyed_cts(&mut self.remote, c);
+                        keep_keyed_cts(&mut self.remote, c, |s| self.s.cts_in_use(s));
                     }
                     self.s.handle_datagram(b, now, &mut NoPlacement);
                 }
