@@ -7,7 +7,7 @@ mod common;
 
 use std::time::{Duration, Instant};
 
-use common::{net, pair, SharedRecv, VecSend};
+use common::{fds, net, pair, rss_kb, SharedRecv, VecSend};
 use prism_transport::engine::{Net, RecvBuf, RecvComm, SendComm};
 
 /// One message from `s` to `r`, checked.
@@ -42,16 +42,6 @@ fn churn(net: &Net, n: usize) {
         one_message(&mut s2, &mut r2, !(i as u8));
         drop((s1, r1, s2, r2));
     }
-}
-
-fn rss_kb() -> u64 {
-    let s = std::fs::read_to_string("/proc/self/status").unwrap();
-    let line = s.lines().find(|l| l.starts_with("VmRSS:")).expect("VmRSS");
-    line.split_whitespace().nth(1).unwrap().parse().unwrap()
-}
-
-fn fds() -> usize {
-    std::fs::read_dir("/proc/self/fd").unwrap().count()
 }
 
 /// Warm up, then `pairs` more; returns the RSS growth (KB) over them. Checks fds come back.

@@ -9,14 +9,8 @@ mod common;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use common::{net, pair, SharedRecv, VecSend};
+use common::{net, pair, rss_kb, SharedRecv, VecSend};
 use prism_transport::engine::{RecvBuf, RecvComm, SendComm};
-
-fn rss_kb() -> u64 {
-    let s = std::fs::read_to_string("/proc/self/status").unwrap();
-    let line = s.lines().find(|l| l.starts_with("VmRSS:")).expect("VmRSS");
-    line.split_whitespace().nth(1).unwrap().parse().unwrap()
-}
 
 fn one_message(s: &mut SendComm, r: &mut RecvComm, data: &Arc<Vec<u8>>) {
     let buf = SharedRecv::filled(data.len(), 0);

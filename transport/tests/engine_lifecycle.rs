@@ -8,7 +8,7 @@ mod common;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use common::{net, pair, SharedRecv, VecSend};
+use common::{fds, net, pair, prism_threads, rss_kb, SharedRecv, VecSend};
 use prism_transport::engine::{Net, RecvBuf, RecvComm, ReqId, SendComm, HANDLE_LEN};
 
 /// The tests measure this process's memory, descriptors and threads, which a test running beside
@@ -16,26 +16,6 @@ use prism_transport::engine::{Net, RecvBuf, RecvComm, ReqId, SendComm, HANDLE_LE
 fn serial() -> std::sync::MutexGuard<'static, ()> {
     static LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
     LOCK.lock().unwrap_or_else(|e| e.into_inner())
-}
-
-fn rss_kb() -> u64 {
-    let s = std::fs::read_to_string("/proc/self/status").unwrap();
-    let line = s.lines().find(|l| l.starts_with("VmRSS:")).expect("VmRSS");
-    line.split_whitespace().nth(1).unwrap().parse().unwrap()
-}
-
-fn fds() -> usize {
-    std::fs::read_dir("/proc/self/fd").unwrap().count()
-}
-
-/// Prism's threads in this process (named `prism-*`; the test harness's own threads come and go
-/// with the tests it runs).
-fn threads() -> usize {
-    std::fs::read_dir("/proc/self/task")
-        .unwrap()
-        .flatten()
-        .filter(|e| std::fs::read_to_string(e.path().join("comm")).is_ok_and(|c| c.starts_with("prism")))
-        .count()
 }
 
 fn pattern(seed: u64, len: usize) -> Vec<u8> {
@@ -98,13 +78,13 @@ fn hundred_thousand_small_messages_keep_memory_flat() {
     let net = net(&[("PRISM_SEED", "42")]);
     let (mut s, mut r) = pair(&net);
     stream(&mut s, &mut r, 10_000, 200, 32, Duration::from_secs(20), 1);
-    let (rss0, fd0, th0) = (rss_kb(), fds(), threads());
+    let (rss0, fd0, th0) = (rss_kb(), fds(), prism_threads());
     let mut t = Duration::ZERO;
     for k in 0..9 {
         t += stream(&mut s, &mut r, 10_000, 200, 32, Duration::from_secs(20), 2 + k);
-        eprintln!("after {} more: RSS {} KB fds {} threads {}", (k + 1) * 10_000, rss_kb(), fds(), threads());
+        eprintln!("after {} more: RSS {} KB fds {} threads {}", (k + 1) * 10_000, rss_kb(), fds(), prism_threads());
     }
-    let (rss1, fd1, th1) = (rss_kb(), fds(), threads());
+    let (rss1, fd1, th1) = (rss_kb(), fds(), prism_threads());
     eprintln!("90,000 messages in {t:?}; RSS {rss0} -> {rss1} KB, fds {fd0} -> {fd1}, threads {th0} -> {th1}");
     assert!(rss1 < rss0 + 4096, "RSS grew {} KB over 90,000 messages", rss1 - rss0);
     assert_eq!(fd0, fd1);
@@ -119,7 +99,7 @@ fn three_hundred_pairs_at_once_all_move_data() {
     eprintln!("RSS before {} KB", rss_kb());
     let t0 = Instant::now();
     let mut pairs: Vec<(SendComm, RecvComm)> = (0..300).map(|_| pair(&net)).collect();
-    eprintln!("300 pairs connected in {:?}; fds {fd0} -> {}, threads {}, RSS {} KB", t0.elapsed(), fds(), threads(), rss_kb());
+    eprintln!("300 pairs connected in {:?}; fds {fd0} -> {}, threads {}, RSS {} KB", t0.elapsed(), fds(), prism_threads(), rss_kb());
     let t1 = Instant::now();
     for round in 0..3 {
         let tr = Instant::now();
@@ -379,7 +359,7 @@ fn closing_the_listener_with_a_connect_pending_fails_the_connect() {
 fn three_hundred_engine_cycles_leave_no_descriptor_or_thread() {
     let _serial = serial();
     let fd0 = fds();
-    let th0 = threads();
+    let th0 = prism_threads();
     let rss0 = rss_kb();
     for i in 0..300 {
         let net: Net = net(&[("PRISM_SEED", "42")]);
@@ -388,12 +368,12 @@ fn three_hundred_engine_cycles_leave_no_descriptor_or_thread() {
         drop((s, r));
         drop(net);
         if i == 50 {
-            eprintln!("after 50 engines: RSS {} KB, fds {}, threads {}", rss_kb(), fds(), threads());
+            eprintln!("after 50 engines: RSS {} KB, fds {}, threads {}", rss_kb(), fds(), prism_threads());
         }
     }
-    eprintln!("after 300 engines: RSS {rss0} -> {} KB, fds {fd0} -> {}, threads {th0} -> {}", rss_kb(), fds(), threads());
+    eprintln!("after 300 engines: RSS {rss0} -> {} KB, fds {fd0} -> {}, threads {th0} -> {}", rss_kb(), fds(), prism_threads());
     assert_eq!(fds(), fd0);
-    assert_eq!(threads(), th0);
+    assert_eq!(prism_threads(), th0);
 }
 
 /// CPU time (user + system, in clock ticks) of every thread of this process named `name`.

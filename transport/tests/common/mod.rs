@@ -95,3 +95,25 @@ pub fn pair_between(a: &Net, b: &Net) -> (SendComm, RecvComm) {
     }
     (s.unwrap(), r.unwrap())
 }
+
+/// This process's resident memory, in KB (`VmRSS`).
+pub fn rss_kb() -> u64 {
+    let s = std::fs::read_to_string("/proc/self/status").unwrap();
+    let line = s.lines().find(|l| l.starts_with("VmRSS:")).expect("VmRSS");
+    line.split_whitespace().nth(1).unwrap().parse().unwrap()
+}
+
+/// This process's open file descriptors.
+pub fn fds() -> usize {
+    std::fs::read_dir("/proc/self/fd").unwrap().count()
+}
+
+/// Prism's threads in this process (named `prism-*`; the test harness's own threads come and go
+/// with the tests it runs).
+pub fn prism_threads() -> usize {
+    std::fs::read_dir("/proc/self/task")
+        .unwrap()
+        .flatten()
+        .filter(|e| std::fs::read_to_string(e.path().join("comm")).is_ok_and(|c| c.starts_with("prism")))
+        .count()
+}
