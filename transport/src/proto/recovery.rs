@@ -415,11 +415,18 @@ impl Connection {
                 break;
             }
             self.tx.probed_copies.pop_front();
-            let blame = self.blame_loss(entropy, sent_at, now);
-            let own_path = self.paths.get(entropy).delivered_tx_end > tx_seq;
-            self.paths.push_event(Feedback::Nack { entropy, own_path, now_us: now });
-            self.paths.lost(entropy, tx_seq, sent_at, blame, now, &mut self.stats.paths);
+            self.loss_against_path(entropy, tx_seq, sent_at, now, now);
         }
+    }
+
+    /// Transmission `tx_seq` on `entropy`, sent at `sent_at`, was found lost (from `due` on) while a
+    /// later one arrived: the policy hears of it, and the path is held to it unless the peer stalled
+    /// (`blame_loss`) or the path delivered a later packet of its own (`Paths::lost`).
+    fn loss_against_path(&mut self, entropy: u16, tx_seq: u64, sent_at: Micros, due: Micros, now: Micros) {
+        let blame = self.blame_loss(entropy, sent_at, due);
+        let own_path = self.paths.get(entropy).delivered_tx_end > tx_seq;
+        self.paths.push_event(Feedback::Nack { entropy, own_path, now_us: now });
+        self.paths.lost(entropy, tx_seq, sent_at, blame, now, &mut self.stats.paths);
     }
 
     /// The time-based rule and the count rule over every transmission sent before RACK's reference;
@@ -534,15 +541,12 @@ impl Connection {
         self.stats.paths[entropy as usize].in_flight -= 1;
         match cause {
             LossCause::Time | LossCause::Count => {
-                let blame = self.blame_loss(entropy, sent_at, due);
                 if cause == LossCause::Time {
                     self.stats.time_losses += 1;
                 } else {
                     self.stats.reorder_losses += 1;
                 }
-                let own_path = self.paths.get(entropy).delivered_tx_end > tx_seq;
-                self.paths.push_event(Feedback::Nack { entropy, own_path, now_us: now });
-                self.paths.lost(entropy, tx_seq, sent_at, blame, now, &mut self.stats.paths);
+                self.loss_against_path(entropy, tx_seq, sent_at, due, now);
             }
             // One timeout writes off every expired packet of its path at once; it counts once, in
             // `path_timeout`, so a lost tail SACK does not look like a run of losses.
