@@ -308,8 +308,9 @@ mod tests {
         assert_eq!(r.on_ctl(&newer, false), (Action::ResetAndConnect { qpn: 0x21, psn: 2 }, false));
     }
 
-    #[test]
-    fn when_both_ask_the_connecting_side_wins() {
+    /// Both ends' QP died and each asks at once: (connector, acceptor, the connector's REQ, the
+    /// acceptor's REQ).
+    fn both_asking() -> (Revive, Revive, QpCtl, QpCtl) {
         let mut conn = Revive::new(0, 0);
         let mut acc = Revive::new(0, 0);
         conn.tick(0, true, || true);
@@ -318,6 +319,12 @@ mod tests {
         assert_eq!(acc.tick(0, true, || true), Action::Reset);
         let req_c = conn.asking(0, 0x100, 1);
         let req_a = acc.asking(0, 0x200, 2);
+        (conn, acc, req_c, req_a)
+    }
+
+    #[test]
+    fn when_both_ask_the_connecting_side_wins() {
+        let (mut conn, mut acc, req_c, req_a) = both_asking();
         // The connector ignores the acceptor's REQ; the acceptor answers the connector's.
         assert_eq!(conn.on_ctl(&req_a, true), (Action::Nothing, true));
         assert_eq!(acc.on_ctl(&req_c, false), (Action::ResetAndConnect { qpn: 0x100, psn: 1 }, false));
@@ -337,14 +344,7 @@ mod tests {
     /// connector's ACK (it is live), so the path stays down a whole extra re-creation cycle.
     #[test]
     fn a_late_copy_of_the_losing_req_does_not_reset_the_winner_again() {
-        let mut conn = Revive::new(0, 0);
-        let mut acc = Revive::new(0, 0);
-        conn.tick(0, true, || true);
-        acc.tick(0, true, || true);
-        assert_eq!(conn.tick(0, true, || true), Action::Reset);
-        assert_eq!(acc.tick(0, true, || true), Action::Reset);
-        let req_c = conn.asking(0, 0x100, 1);
-        let req_a = acc.asking(0, 0x200, 2);
+        let (mut conn, mut acc, req_c, req_a) = both_asking();
         assert_eq!(acc.tick(RESEND_US, true, || true), Action::Send(req_a), "resent, unanswered");
         assert_eq!(conn.on_ctl(&req_a, true), (Action::Nothing, true));
         assert_eq!(acc.on_ctl(&req_c, false), (Action::ResetAndConnect { qpn: 0x100, psn: 1 }, false));

@@ -247,6 +247,18 @@ pub(super) mod tests {
         }
     }
 
+    /// (psn, offset, len) as proto cuts two `chunk`-byte chunks (160 KiB) from PSN `first`: two
+    /// `PKT` packets and the shorter rest, twice.
+    fn two_short_ended_chunks(first: u64, chunk: u64) -> Vec<(u64, u64, u64)> {
+        let pkt = u64::from(PKT);
+        (0..2u64)
+            .flat_map(|c| {
+                let (psn, base) = (first + 3 * c, c * chunk);
+                [(psn, base, pkt), (psn + 1, base + pkt, pkt), (psn + 2, base + 2 * pkt, chunk - 2 * pkt)]
+            })
+            .collect()
+    }
+
     fn parsed(h: &[u8; DATA_HEADER_LEN]) -> DataRepr {
         DataRepr::parse(&DataPacket::new_checked_header(&h[..]).unwrap()).unwrap()
     }
@@ -367,17 +379,11 @@ pub(super) mod tests {
     /// end by the stall watchdog.
     #[test]
     fn a_write_after_a_short_packet_is_never_rebuilt_from_the_stale_first_descriptor() {
-        let pkt = u64::from(PKT);
         let chunk = 160 * 1024u64;
         let total = 2 * chunk;
         // (psn, offset, len) as proto cuts them: two 64 KiB packets, the 32 KiB rest of the chunk,
         // and again for the second chunk.
-        let pkts: Vec<(u64, u64, u64)> = (0..2u64)
-            .flat_map(|c| {
-                let base = c * chunk;
-                [(100 + 3 * c, base, pkt), (101 + 3 * c, base + pkt, pkt), (102 + 3 * c, base + 2 * pkt, chunk - 2 * pkt)]
-            })
-            .collect();
+        let pkts = two_short_ended_chunks(100, chunk);
         let mut tx = DescTx::default();
         let descs: Vec<(DescRepr, bool)> =
             pkts.iter().map(|&(psn, off, len)| tx.describe(&data(psn, off, len as u32, total, false), PKT, chunks(chunk, total))).collect();
@@ -406,15 +412,9 @@ pub(super) mod tests {
     #[test]
     fn a_buffer_with_a_short_packet_in_its_middle_completes_whatever_order_its_writes_come_in() {
         use crate::proto::{Completion, Connection, ProtoConfig, RecvSpec};
-        let pkt = u64::from(PKT);
         let chunk = 160 * 1024u64;
         let total = 2 * chunk;
-        let pkts: Vec<(u64, u64, u64)> = (0..2u64)
-            .flat_map(|c| {
-                let base = c * chunk;
-                [(3 * c, base, pkt), (1 + 3 * c, base + pkt, pkt), (2 + 3 * c, base + 2 * pkt, chunk - 2 * pkt)]
-            })
-            .collect();
+        let pkts = two_short_ended_chunks(0, chunk);
         let mut tx = DescTx::default();
         let mut rx = DescRx::new(512);
         let mut conn = Connection::new(ProtoConfig::default(), 7, 8, Box::new(prism_lb::path::Spray::new(1)), 0);
