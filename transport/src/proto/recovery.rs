@@ -14,7 +14,9 @@
 //! that), whichever is larger, never above 4 SRTTs. Overtaken only by packets on other paths
 //! (sprayed paths differ in RTT), its path is suspect after the larger of the reference RTT and the
 //! path's SRTT + 2 RTTVAR, and it is lost after the larger of the reference RTT and twice the
-//! connection's (or the path's) SRTT + 4 RTTVAR, plus RFC 8985's window. A timer
+//! connection's (or the path's) SRTT + 4 RTTVAR, plus RFC 8985's window; on a path nothing was
+//! measured on yet, twice the largest RTT the connection measured lately if that is longer (a path
+//! behind a standing queue the fast paths never show: see `expected_at`). A timer
 //! fires at the earliest such deadline, so a loss is found about one RTT and a window after it left,
 //! whatever the RTO.
 //!
@@ -27,7 +29,9 @@
 //! shorter: a connection that sends its window at once measures RTTs that are mostly its own queue,
 //! and a packet sent after the queue drained (a retransmission, a message's end) is due long before
 //! two such RTTs (a 1 MiB message at 1 GB/s with 5 % loss took 2.65 times as long as without loss
-//! with two SRTTs, 1.2 times with this). Its
+//! with two SRTTs, 1.2 times with this). Never, though, before twice its own path's SRTT after
+//! the newest packet in flight left, when that path was measured: one slow path (a standing queue
+//! on one uplink) holding a message otherwise drew a probe per message from the fast paths' SRTT. Its
 //! acknowledgement is a reference sent after everything before it, so the time-based rule finds the
 //! rest of the tail lost; recovery takes about two RTTs. While the silence lasts, further probes
 //! follow at doubling intervals (RFC 8985 sends one and leaves the rest to the RTO; a sprayed
@@ -43,6 +47,7 @@ use prism_lb::Feedback;
 use super::connection::Connection;
 use super::path::TxEntry;
 use super::sender::{PktState, SentPkt};
+use super::stats::PathHealth;
 use super::Micros;
 use crate::wire::sack::ECHO_BY_PSN;
 use crate::wire::SackRepr;
@@ -228,6 +233,7 @@ impl Connection {
         self.ctl_rtt.sample(u64::from(rtt));
         let tx = &mut self.tx;
         tx.min_rtt_us = Some(tx.min_rtt_us.map_or(u64::from(rtt), |m| m.min(u64::from(rtt))));
+        tx.rtt_max_us = tx.rtt_max_us.max(u64::from(rtt));
         let delayed = u64::from(rtt) > 2 * u64::from(base) + DELAY_CONGESTION_SLACK_US;
         Some(Echo { entropy, ts_us, rtt_us: rtt, congested: congested || delayed })
     }
@@ -286,6 +292,8 @@ impl Connection {
                 tx.rate_max[0] = tx.rate_max[0].max(rate);
             }
             tx.acked_tx_end = tx.acked_tx_end.max(rec.tx_seq + 1);
+            // Without an echo of its own, the time until its acknowledgement (an upper bound).
+            tx.rtt_max_us = tx.rtt_max_us.max(u64::from(rtt_us));
             if rec.sent_at >= tx.acked_sent_at {
                 // RACK's reference: the most recently sent packet known delivered, and its RTT.
                 tx.acked_sent_at = rec.sent_at;
@@ -313,13 +321,15 @@ impl Connection {
     }
 
     /// Start a new measuring period for the largest lateness and delivery rate every `REO_RESET_RTTS`
-    /// smoothed RTTs (each is the larger of the current and the previous period's).
+    /// smoothed RTTs (each is the larger of the current and the previous period's); the largest RTT
+    /// loses an eighth.
     fn roll_measuring_period(&mut self) {
         let srtt = self.ctl_rtt.srtt_us().unwrap_or(0);
         let tx = &mut self.tx;
         if self.now.saturating_sub(tx.reo_late_since) > REO_RESET_RTTS * srtt {
             tx.reo_late_us = [0, tx.reo_late_us[0]];
             tx.rate_max = [0, tx.rate_max[0]];
+            tx.rtt_max_us -= tx.rtt_max_us / 8;
             tx.reo_late_since = self.now;
         }
     }
@@ -372,7 +382,11 @@ impl Connection {
             let due = at.saturating_add(reo.1);
             (due, due, at.max(rec.sent_at.saturating_add(own)))
         } else {
-            let spread = own.max(conn);
+            // A path nothing was measured on yet may be as slow as the slowest path measured lately.
+            let spread = match path.rtt.expected_us() {
+                Some(own) => own.max(conn),
+                None => conn.max(self.tx.rtt_max_us),
+            };
             let lost = rec.sent_at.saturating_add(rack.max(2 * spread));
             let typical = path.rtt.srtt_plus_var_us(SUSPECT_RTTVARS).or(self.ctl_rtt.srtt_plus_var_us(SUSPECT_RTTVARS)).unwrap_or(spread);
             (rec.sent_at.saturating_add(rack.max(typical)).saturating_add(reo.0), lost.saturating_add(reo.0), lost)
@@ -475,9 +489,13 @@ impl Connection {
                 self.declare_lost(psn, now, LossCause::Count, count_from);
                 continue;
             }
-            // On a path already found failing, a packet is lost halfway between suspect and lost.
+            // On a path already found failing, a packet is lost halfway between suspect and lost. (Not
+            // on a path only suspected that nothing was measured on: its suspicion compared it with
+            // the other paths' RTTs, which say little of its own; a probe or a second loss tells.)
             let failing_due = suspect_due + (due - suspect_due) / 2;
-            if failing_due <= now && !self.paths.get(entropy).alive() {
+            let path = self.paths.get(entropy);
+            let failing = !path.alive() && (path.health == PathHealth::Dead || path.rtt.srtt_us().is_some());
+            if failing_due <= now && failing {
                 self.declare_lost(psn, now, LossCause::Time, failing_due);
                 continue;
             }
@@ -604,7 +622,18 @@ impl Connection {
             let drain = min_rtt + (queued * self.cfg.max_payload as u64).saturating_mul(1000) / rate;
             pto = pto.min(2 * drain + delay);
         }
-        Some(self.tx.tlp_base.saturating_add(pto.max(1) << self.tx.tlp_count))
+        let at = self.tx.tlp_base.saturating_add(pto.max(1) << self.tx.tlp_count);
+        // The probe resends the newest packet in flight (when there is no new data): not before its
+        // own path, if measured, could have delivered it.
+        let newest = self
+            .tx
+            .tx_order
+            .iter()
+            .rev()
+            .find(|&&(t, p)| self.tx.is_live(t, p))
+            .map(|&(_, psn)| &self.tx.ring[(psn - self.tx.snd_una) as usize]);
+        let own = newest.and_then(|r| self.paths.get(r.entropy).rtt.srtt_us().map(|s| r.sent_at.saturating_add(2 * s)));
+        Some(own.map_or(at, |o| at.max(o)))
     }
 
     pub(super) fn on_tlp_timer(&mut self, now: Micros) {
