@@ -2050,27 +2050,23 @@ fn a_window_stuck_on_a_failed_rail_is_rescued_within_round_trips() {
     });
 }
 
-/// A lossless network whose entropies `3 mod 4` all wait behind a standing queue (one congested
-/// uplink of four: 400 µs more each way against 5-25 µs), under ECMP: each message keeps to one
-/// entropy, a new one per message, so many messages start on a slow path nothing was measured on
-/// yet while the next messages' packets, on fast paths, arrive first. Nothing is lost. The first
-/// messages on slow paths are resent before any slow path has answered (nothing tells the sender yet
-/// that a path can take that long); once one has, a path without a sample of its own may be as slow
-/// as the slowest measured lately, and a message on it is neither found lost by time nor probed
-/// before a measured slow path could have delivered its last packet. Before, an unmeasured path was
-/// judged by the connection's smoothed RTT, which the fast paths hold low, and every message started
-/// on a slow path was resent: on the rail fabric (`ethereal.json`) up to three windows of 15 spurious
-/// retransmissions a run, each piled on one uplink, and the uplinks' bytes ended 2.005 % apart
-/// against Ethereal's 2 % target (CI run 53).
+/// A lossless network whose entropies `3 mod 4` wait behind a standing queue (one congested uplink
+/// of four: 400 µs more each way against 5-25 µs), under ECMP: each message keeps to one entropy, a
+/// new one per message, and a message on a slow path holds the connection's out-of-order window
+/// while the fast paths' acknowledgements stop. Once every slow path has been measured, a message on
+/// one draws no tail-loss probe before its own path could have delivered it: probes go out after
+/// twice the fast paths' SRTT otherwise, and each resends a packet that was not lost. (On the rail
+/// fabric, `ethereal.json`, tail-loss probes' copies were most of the 22-61 retransmissions of a
+/// lossless run, each on whichever uplink it landed; 0-28 with this.)
 #[test]
-fn a_message_on_a_slow_path_never_measured_is_not_resent_when_faster_paths_overtake_it() {
+fn a_message_on_a_slow_measured_path_draws_no_tail_probe_before_its_own_rtt() {
     seeded(61, |seed| {
-        let cfg = ProtoConfig { n_paths: 64, window_pkts: 16, ..ProtoConfig::default() };
-        let slow: Vec<u16> = (0..64).filter(|e| e % 4 == 3).collect();
+        let cfg = ProtoConfig { n_paths: 16, window_pkts: 16, ..ProtoConfig::default() };
+        let slow: Vec<u16> = (0..16).filter(|e| e % 4 == 3).collect();
         let l = Link { path_spread_us: 20, slow: (slow.clone(), 400), ..Link::default() };
         let mut sim = Sim::with_policy(seed, &cfg, [l.clone(), l], |s| Box::new(Ecmp::new(s)));
         let len = 4 * cfg.max_payload as u64;
-        // Rounds of 24 messages until the round in which a slow path answered first, then 12 more.
+        // Rounds of 24 messages until every slow path has an RTT sample, then 12 more.
         let mut warm: Option<(usize, ConnStats)> = None;
         let mut round = 0;
         while warm.as_ref().is_none_or(|(r, _)| round < r + 12) {
@@ -2080,31 +2076,21 @@ fn a_message_on_a_slow_path_never_measured_is_not_resent_when_faster_paths_overt
             verify(&sim, &posted);
             round += 1;
             let st = sim.stats(A);
-            if warm.is_none() && slow.iter().any(|&e| st.paths[e as usize].rtt_samples > 0) {
+            if warm.is_none() && slow.iter().all(|&e| st.paths[e as usize].rtt_samples > 0) {
                 warm = Some((round, st.clone()));
             }
-            assert!(round < 40, "no slow path answered in 28 rounds");
+            assert!(round < 60, "the slow paths were not all measured in 48 rounds");
         }
-        let (st, (_, warm)) = (sim.stats(A), warm.expect("a slow path answered"));
+        let (st, (_, warm)) = (sim.stats(A), warm.expect("every slow path measured"));
         assert_eq!(sim.link_stats[A].dropped_data + sim.link_stats[B].dropped_sack, 0);
-        let slow_used = slow.iter().filter(|&&e| st.paths[e as usize].pkts_sent > warm.paths[e as usize].pkts_sent).count();
-        assert!(slow_used >= 8, "ECMP must start messages on several slow paths after one answered: {slow_used}");
-        let found = |s: &ConnStats| s.time_losses + s.reorder_losses;
-        eprintln!(
-            "slow paths used {slow_used}; losses found {} then {}; tail probes {} then {}; retransmissions {} then {}",
-            found(&warm),
-            found(st) - found(&warm),
-            warm.tail_probes,
-            st.tail_probes - warm.tail_probes,
-            warm.retransmissions,
-            st.retransmissions - warm.retransmissions
-        );
-        assert_eq!(found(st), found(&warm), "a loss found on a lossless network after a slow path answered");
-        // A tail-loss probe resends a message's last packet while its path is silent, after twice the
-        // path's own smoothed RTT when it has one: about one per message started on a slow path (12
-        // rounds of 24 messages, a quarter of them slow) at most. (Before: 33-74 over 16 rounds.)
-        let resent = st.retransmissions - warm.retransmissions;
-        assert!(resent <= 12 * 24 / 4, "{resent} retransmissions in the last 12 rounds without a loss");
+        let slow_msgs: u64 = slow.iter().map(|&e| st.paths[e as usize].pkts_sent - warm.paths[e as usize].pkts_sent).sum::<u64>() / 4;
+        let (probes, resent) = (st.tail_probes - warm.tail_probes, st.retransmissions - warm.retransmissions);
+        eprintln!("after the slow paths were measured: {slow_msgs} messages on them, {probes} tail probes, {resent} retransmissions");
+        assert!(slow_msgs >= 24, "ECMP must put messages on the slow paths: {slow_msgs}");
+        // A probe is still due when the fast paths' packets queue behind a slow message's (the window
+        // is shared): a few per hundred messages, not one or more per slow message.
+        assert!(probes * 4 <= slow_msgs, "{probes} tail probes for {slow_msgs} messages on slow paths");
+        assert!(resent * 4 <= slow_msgs, "{resent} retransmissions without a loss for {slow_msgs} messages on slow paths");
         assert_eq!(st.timeouts, 0);
     });
 }

@@ -14,9 +14,7 @@
 //! that), whichever is larger, never above 4 SRTTs. Overtaken only by packets on other paths
 //! (sprayed paths differ in RTT), its path is suspect after the larger of the reference RTT and the
 //! path's SRTT + 2 RTTVAR, and it is lost after the larger of the reference RTT and twice the
-//! connection's (or the path's) SRTT + 4 RTTVAR, plus RFC 8985's window; on a path nothing was
-//! measured on yet, twice the largest RTT the connection measured lately if that is longer (a path
-//! behind a standing queue the fast paths never show: see `expected_at`). A timer
+//! connection's (or the path's) SRTT + 4 RTTVAR, plus RFC 8985's window. A timer
 //! fires at the earliest such deadline, so a loss is found about one RTT and a window after it left,
 //! whatever the RTO.
 //!
@@ -47,7 +45,6 @@ use prism_lb::Feedback;
 use super::connection::Connection;
 use super::path::TxEntry;
 use super::sender::{PktState, SentPkt};
-use super::stats::PathHealth;
 use super::Micros;
 use crate::wire::sack::ECHO_BY_PSN;
 use crate::wire::SackRepr;
@@ -233,7 +230,6 @@ impl Connection {
         self.ctl_rtt.sample(u64::from(rtt));
         let tx = &mut self.tx;
         tx.min_rtt_us = Some(tx.min_rtt_us.map_or(u64::from(rtt), |m| m.min(u64::from(rtt))));
-        tx.rtt_max_us = tx.rtt_max_us.max(u64::from(rtt));
         let delayed = u64::from(rtt) > 2 * u64::from(base) + DELAY_CONGESTION_SLACK_US;
         Some(Echo { entropy, ts_us, rtt_us: rtt, congested: congested || delayed })
     }
@@ -292,8 +288,6 @@ impl Connection {
                 tx.rate_max[0] = tx.rate_max[0].max(rate);
             }
             tx.acked_tx_end = tx.acked_tx_end.max(rec.tx_seq + 1);
-            // Without an echo of its own, the time until its acknowledgement (an upper bound).
-            tx.rtt_max_us = tx.rtt_max_us.max(u64::from(rtt_us));
             if rec.sent_at >= tx.acked_sent_at {
                 // RACK's reference: the most recently sent packet known delivered, and its RTT.
                 tx.acked_sent_at = rec.sent_at;
@@ -321,15 +315,13 @@ impl Connection {
     }
 
     /// Start a new measuring period for the largest lateness and delivery rate every `REO_RESET_RTTS`
-    /// smoothed RTTs (each is the larger of the current and the previous period's); the largest RTT
-    /// loses an eighth.
+    /// smoothed RTTs (each is the larger of the current and the previous period's).
     fn roll_measuring_period(&mut self) {
         let srtt = self.ctl_rtt.srtt_us().unwrap_or(0);
         let tx = &mut self.tx;
         if self.now.saturating_sub(tx.reo_late_since) > REO_RESET_RTTS * srtt {
             tx.reo_late_us = [0, tx.reo_late_us[0]];
             tx.rate_max = [0, tx.rate_max[0]];
-            tx.rtt_max_us -= tx.rtt_max_us / 8;
             tx.reo_late_since = self.now;
         }
     }
@@ -382,11 +374,7 @@ impl Connection {
             let due = at.saturating_add(reo.1);
             (due, due, at.max(rec.sent_at.saturating_add(own)))
         } else {
-            // A path nothing was measured on yet may be as slow as the slowest path measured lately.
-            let spread = match path.rtt.expected_us() {
-                Some(own) => own.max(conn),
-                None => conn.max(self.tx.rtt_max_us),
-            };
+            let spread = own.max(conn);
             let lost = rec.sent_at.saturating_add(rack.max(2 * spread));
             let typical = path.rtt.srtt_plus_var_us(SUSPECT_RTTVARS).or(self.ctl_rtt.srtt_plus_var_us(SUSPECT_RTTVARS)).unwrap_or(spread);
             (rec.sent_at.saturating_add(rack.max(typical)).saturating_add(reo.0), lost.saturating_add(reo.0), lost)
@@ -489,13 +477,9 @@ impl Connection {
                 self.declare_lost(psn, now, LossCause::Count, count_from);
                 continue;
             }
-            // On a path already found failing, a packet is lost halfway between suspect and lost. (Not
-            // on a path only suspected that nothing was measured on: its suspicion compared it with
-            // the other paths' RTTs, which say little of its own; a probe or a second loss tells.)
+            // On a path already found failing, a packet is lost halfway between suspect and lost.
             let failing_due = suspect_due + (due - suspect_due) / 2;
-            let path = self.paths.get(entropy);
-            let failing = !path.alive() && (path.health == PathHealth::Dead || path.rtt.srtt_us().is_some());
-            if failing_due <= now && failing {
+            if failing_due <= now && !self.paths.get(entropy).alive() {
                 self.declare_lost(psn, now, LossCause::Time, failing_due);
                 continue;
             }

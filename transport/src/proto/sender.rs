@@ -133,9 +133,6 @@ pub(crate) struct TxState {
     /// Largest delivery rate measured (bytes per millisecond) in the current and the previous
     /// measuring period: how fast what is in flight drains.
     pub(crate) rate_max: [u64; 2],
-    /// Largest RTT sample (µs) of any path, less an eighth per measuring period since: what a path
-    /// nothing was measured on yet may take (`Connection::expected_at`).
-    pub(crate) rtt_max_us: u64,
     /// `acked_tx_end` and `rack_rtt_us` before the acknowledgement being applied: packets acknowledged
     /// together arrived in an order nobody knows, so only earlier ones count as overtaking.
     pub(crate) acked_before: (u64, u64),
@@ -219,7 +216,6 @@ impl TxState {
             acked_before: (0, 0),
             delivered: (0, 0),
             rate_max: [0; 2],
-            rtt_max_us: 0,
             rack_timer: None,
             tlp_base: 0,
             tlp_count: 0,
