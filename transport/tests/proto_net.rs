@@ -69,8 +69,6 @@ struct Link {
     /// Probability that a packet waits `spike_us` more (a queue building and draining on its way).
     spike: f64,
     spike_us: u64,
-    /// Entropies whose packets always wait this much more (a standing queue on the uplink they take).
-    slow: (Vec<u16>, u64),
 }
 
 impl Default for Link {
@@ -87,7 +85,6 @@ impl Default for Link {
             lost_cts: 0,
             spike: 0.0,
             spike_us: 0,
-            slow: (Vec::new(), 0),
         }
     }
 }
@@ -333,10 +330,7 @@ impl Sim {
         }
         for _ in 0..copies {
             let jitter = if link.jitter_us > 0 { self.rng.gen_range(0..=link.jitter_us) } else { 0 };
-            let mut spread = if link.path_spread_us > 0 { path_hash(entropy) % (link.path_spread_us + 1) } else { 0 };
-            if link.slow.0.contains(&entropy) {
-                spread += link.slow.1;
-            }
+            let spread = if link.path_spread_us > 0 { path_hash(entropy) % (link.path_spread_us + 1) } else { 0 };
             let spike = if link.spike > 0.0 && self.rng.gen_bool(link.spike) { link.spike_us } else { 0 };
             let at = done.div_ceil(1000) + link.delay_us + spread + jitter + spike;
             self.seq += 1;
@@ -2047,50 +2041,5 @@ fn a_window_stuck_on_a_failed_rail_is_rescued_within_round_trips() {
         assert!(done_after_fault >= 30, "only {done_after_fault} messages after the failure");
         // The rail's loss costs round trips, not keepalive intervals (100 ms each) or timeouts in a row.
         assert!(failed * 10 <= clean * 13, "40 messages of 1 MiB took {failed} µs with rail 0 failed at {T} µs, {clean} µs without");
-    });
-}
-
-/// A lossless network whose entropies `3 mod 4` wait behind a standing queue (one congested uplink
-/// of four: 400 µs more each way against 5-25 µs), under ECMP: each message keeps to one entropy, a
-/// new one per message, and a message on a slow path holds the connection's out-of-order window
-/// while the fast paths' acknowledgements stop. Once every slow path has been measured, a message on
-/// one draws no tail-loss probe before its own path could have delivered it: probes go out after
-/// twice the fast paths' SRTT otherwise, and each resends a packet that was not lost. (On the rail
-/// fabric, `ethereal.json`, tail-loss probes' copies were most of the 22-61 retransmissions of a
-/// lossless run, each on whichever uplink it landed; 0-28 with this.)
-#[test]
-fn a_message_on_a_slow_measured_path_draws_no_tail_probe_before_its_own_rtt() {
-    seeded(61, |seed| {
-        let cfg = ProtoConfig { n_paths: 16, window_pkts: 16, ..ProtoConfig::default() };
-        let slow: Vec<u16> = (0..16).filter(|e| e % 4 == 3).collect();
-        let l = Link { path_spread_us: 20, slow: (slow.clone(), 400), ..Link::default() };
-        let mut sim = Sim::with_policy(seed, &cfg, [l.clone(), l], |s| Box::new(Ecmp::new(s)));
-        let len = 4 * cfg.max_payload as u64;
-        // Rounds of 24 messages until every slow path has an RTT sample, then 12 more.
-        let mut warm: Option<(usize, ConnStats)> = None;
-        let mut round = 0;
-        while warm.as_ref().is_none_or(|(r, _)| round < r + 12) {
-            let groups: Vec<Vec<Msg>> = (0..24).map(|t| vec![m(len, len, t)]).collect();
-            let posted = post(&mut sim, &groups);
-            sim.run_until(600_000_000, |s| s.completed(A) == 24 * (round + 1) && s.completed(B) == 24 * (round + 1));
-            verify(&sim, &posted);
-            round += 1;
-            let st = sim.stats(A);
-            if warm.is_none() && slow.iter().all(|&e| st.paths[e as usize].rtt_samples > 0) {
-                warm = Some((round, st.clone()));
-            }
-            assert!(round < 60, "the slow paths were not all measured in 48 rounds");
-        }
-        let (st, (_, warm)) = (sim.stats(A), warm.expect("every slow path measured"));
-        assert_eq!(sim.link_stats[A].dropped_data + sim.link_stats[B].dropped_sack, 0);
-        let slow_msgs: u64 = slow.iter().map(|&e| st.paths[e as usize].pkts_sent - warm.paths[e as usize].pkts_sent).sum::<u64>() / 4;
-        let (probes, resent) = (st.tail_probes - warm.tail_probes, st.retransmissions - warm.retransmissions);
-        eprintln!("after the slow paths were measured: {slow_msgs} messages on them, {probes} tail probes, {resent} retransmissions");
-        assert!(slow_msgs >= 24, "ECMP must put messages on the slow paths: {slow_msgs}");
-        // A probe is still due when the fast paths' packets queue behind a slow message's (the window
-        // is shared): a few per hundred messages, not one or more per slow message.
-        assert!(probes * 4 <= slow_msgs, "{probes} tail probes for {slow_msgs} messages on slow paths");
-        assert!(resent * 4 <= slow_msgs, "{resent} retransmissions without a loss for {slow_msgs} messages on slow paths");
-        assert_eq!(st.timeouts, 0);
     });
 }
