@@ -205,8 +205,18 @@ impl Connector {
         dev: usize,
         handle: &mut [u8; HANDLE_LEN],
     ) -> Result<Option<SendComm>, TransportError> {
-        let key = u64::from_be_bytes(handle[STAGE_OFF..STAGE_OFF + 8].try_into().expect("8 bytes"));
+        // The handle is checked on every call, not only the first: a key alone (junk, or another
+        // listener's handle that happens to carry one) must never drive a connect it does not describe.
+        let target = parse_handle(handle)?;
+        let nonce = u64::from_be_bytes(handle[12..20].try_into().expect("8 bytes"));
+        let ours = |pc: &PendingConnect| pc.dev == dev && pc.target == target && pc.nonce == nonce;
+        let mut key = u64::from_be_bytes(handle[STAGE_OFF..STAGE_OFF + 8].try_into().expect("8 bytes"));
         let mut pending = self.pending.lock();
+        if key != 0 && !pending.get(&key).is_some_and(ours) {
+            // A connect to another listener (or device), or none: this handle starts afresh.
+            key = 0;
+            handle[STAGE_OFF..STAGE_OFF + 8].fill(0);
+        }
         // A connect whose caller stopped calling (NCCL gave up on it) would keep its socket and QPs
         // until the engine goes: one past twice the connect timeout is nobody's any more.
         let abandoned = std::time::Duration::from_millis(inner.cfg.connect_timeout_ms.saturating_mul(2));
@@ -217,24 +227,19 @@ impl Connector {
             // someone is driving, instead of starting one more (a socket each call, never finished).
             // Two callers that do keep their copies may share a connect this way: the one that gets
             // its comm stops calling, the other starts its own on its next call.
-            if let Ok(target) = parse_handle(handle) {
-                let nonce = u64::from_be_bytes(handle[12..20].try_into().expect("8 bytes"));
-                let driven = pending
-                    .iter()
-                    .filter(|(_, pc)| pc.dev == dev && pc.target == target && pc.nonce == nonce && pc.last_call.elapsed() < DRIVEN_WITHIN)
-                    .min_by_key(|(_, pc)| pc.started)
-                    .map(|(&k, _)| k);
-                if let Some(k) = driven {
-                    handle[STAGE_OFF..STAGE_OFF + 8].copy_from_slice(&k.to_be_bytes());
-                }
+            let driven = pending
+                .iter()
+                .filter(|(_, pc)| ours(pc) && pc.last_call.elapsed() < DRIVEN_WITHIN)
+                .min_by_key(|(_, pc)| pc.started)
+                .map(|(&k, _)| k);
+            if let Some(k) = driven {
+                handle[STAGE_OFF..STAGE_OFF + 8].copy_from_slice(&k.to_be_bytes());
             }
         }
         let key = u64::from_be_bytes(handle[STAGE_OFF..STAGE_OFF + 8].try_into().expect("8 bytes"));
         if key == 0 || !pending.contains_key(&key) {
-            let target = parse_handle(handle)?;
             let rail = inner.rails.get(dev).ok_or(TransportError::BadDevice { dev, ndev: inner.rails.len() })?;
             let token = new_token();
-            let nonce = u64::from_be_bytes(handle[12..20].try_into().expect("8 bytes"));
             let verbs = inner.verbs_comm(token, true)?;
             let out = inner.hello(HelloKind::Hello, 0, nonce, token, 0, verbs.as_ref())?;
             let sock = start_tcp_connect(target, rail.addr)?;

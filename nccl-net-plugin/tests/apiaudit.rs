@@ -1,0 +1,228 @@
+//! Call sequences an independent API audit found mishandled (or probed and found right): each test
+//! names what NCCL, or a careless caller, does and what it must get back.
+//!
+//! Tests here share the process-wide engine, so they run one at a time.
+
+use std::ffi::{c_int, c_void};
+use std::ptr::null_mut;
+use std::time::{Duration, Instant};
+
+use nccl_net_prism::abi::NCCL_SUCCESS;
+use nccl_net_prism::exports::ncclNetPlugin_v12 as NET;
+use parking_lot::Mutex;
+
+mod common;
+use common::Ctx;
+
+static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
+
+/// ncclInvalidUsage.
+const INVALID_USAGE: c_int = 5;
+
+const ENV: &[(&str, &str)] = &[("PRISM_CONNECT_TIMEOUT_MS", "3000")];
+
+struct Pair {
+    send: *mut c_void,
+    recv: *mut c_void,
+}
+
+fn listen(ctx: &Ctx) -> ([u8; 128], *mut c_void) {
+    let mut handle = [0u8; 128];
+    let mut l = null_mut();
+    // SAFETY: the v12 listen contract.
+    assert_eq!(unsafe { NET.listen.unwrap()(ctx.0, 0, handle.as_mut_ptr().cast(), &mut l) }, NCCL_SUCCESS);
+    (handle, l)
+}
+
+fn connect(ctx: &Ctx) -> Pair {
+    let (mut handle, l) = listen(ctx);
+    let (mut send, mut recv): (*mut c_void, *mut c_void) = (null_mut(), null_mut());
+    let start = Instant::now();
+    while send.is_null() || recv.is_null() {
+        if send.is_null() {
+            // SAFETY: the connect contract; the same handle on every retry.
+            assert_eq!(unsafe { NET.connect.unwrap()(ctx.0, 0, handle.as_mut_ptr().cast(), &mut send, null_mut()) }, NCCL_SUCCESS);
+        }
+        if recv.is_null() {
+            // SAFETY: the accept contract.
+            assert_eq!(unsafe { NET.accept.unwrap()(l, &mut recv, null_mut()) }, NCCL_SUCCESS);
+        }
+        assert!(start.elapsed() < Duration::from_secs(60), "no loopback connection within 60 s");
+    }
+    // SAFETY: closed once.
+    assert_eq!(unsafe { NET.close_listen.unwrap()(l) }, NCCL_SUCCESS);
+    Pair { send, recv }
+}
+
+fn close(p: Pair) {
+    // SAFETY: comms from connect/accept, closed once.
+    unsafe {
+        assert_eq!(NET.close_send.unwrap()(p.send), NCCL_SUCCESS);
+        assert_eq!(NET.close_recv.unwrap()(p.recv), NCCL_SUCCESS);
+    }
+}
+
+fn isend_tag(send: *mut c_void, data: &[u8], tag: c_int) -> (c_int, *mut c_void) {
+    let mut req = null_mut();
+    // SAFETY: a live buffer the caller keeps until the request completes.
+    let rc = unsafe { NET.isend.unwrap()(send, data.as_ptr() as *mut c_void, data.len(), tag, null_mut(), null_mut(), &mut req) };
+    (rc, req)
+}
+
+/// A grouped receive of `bufs` (pointer, size) with `tags`.
+fn irecv_group(recv: *mut c_void, bufs: &[(*mut u8, usize)], tags: &[c_int]) -> (c_int, *mut c_void) {
+    let mut req = null_mut();
+    let mut d: Vec<*mut c_void> = bufs.iter().map(|b| b.0.cast()).collect();
+    let mut s: Vec<usize> = bufs.iter().map(|b| b.1).collect();
+    let mut t = tags.to_vec();
+    // SAFETY: arrays of n entries; the buffers live until the request completes.
+    let rc = unsafe {
+        NET.irecv.unwrap()(recv, bufs.len() as c_int, d.as_mut_ptr(), s.as_mut_ptr(), t.as_mut_ptr(), null_mut(), null_mut(), &mut req)
+    };
+    (rc, req)
+}
+
+/// Tests until done or failed: (rc, sizes).
+fn wait(req: *mut c_void, n: usize) -> (c_int, Vec<c_int>) {
+    let start = Instant::now();
+    loop {
+        let mut done = 0;
+        let mut sizes = vec![-7 as c_int; 64];
+        // SAFETY: a live request; room for 64 sizes.
+        let rc = unsafe { NET.test.unwrap()(req, &mut done, sizes.as_mut_ptr()) };
+        if rc != NCCL_SUCCESS || done == 1 {
+            sizes.truncate(n);
+            return (rc, sizes);
+        }
+        assert!(start.elapsed() < Duration::from_secs(30), "request neither done nor failed within 30 s");
+    }
+}
+
+#[test]
+fn a_send_larger_than_its_receive_fails_both_and_writes_nothing_past_the_buffer() {
+    let _serial = ONE_AT_A_TIME.lock();
+    let ctx = Ctx::init(ENV);
+    let p = connect(&ctx);
+    let msg = vec![0x5au8; 20_000];
+    let mut rbuf = vec![0xeeu8; 30_000];
+    let (rc, r) = irecv_group(p.recv, &[(rbuf.as_mut_ptr(), 10_000)], &[0]);
+    assert_eq!(rc, NCCL_SUCCESS);
+    let (rc, s) = isend_tag(p.send, &msg, 0);
+    assert_eq!(rc, NCCL_SUCCESS);
+    // ncclInvalidUsage on both ends, as NCCL's socket transport reports a truncated message.
+    assert_eq!(wait(s, 1).0, INVALID_USAGE);
+    assert_eq!(wait(r, 1).0, INVALID_USAGE);
+    assert!(rbuf[10_000..].iter().all(|&b| b == 0xee), "bytes written past the posted receive");
+    close(p);
+    drop(ctx);
+}
+
+#[test]
+fn a_grouped_receive_fills_each_buffer_by_tag_and_reports_each_size() {
+    let _serial = ONE_AT_A_TIME.lock();
+    let ctx = Ctx::init(ENV);
+    let p = connect(&ctx);
+    let mut a = vec![0u8; 4096];
+    let mut b = vec![0u8; 4096];
+    let mut z = vec![0u8; 16];
+    let (rc, r) = irecv_group(p.recv, &[(a.as_mut_ptr(), 4096), (z.as_mut_ptr(), 0), (b.as_mut_ptr(), 4096)], &[1, 3, 2]);
+    assert_eq!(rc, NCCL_SUCCESS);
+    let m2 = vec![2u8; 1000];
+    let m1 = vec![1u8; 3000];
+    let (rc, s2) = isend_tag(p.send, &m2, 2);
+    assert_eq!(rc, NCCL_SUCCESS);
+    let (rc, s0) = isend_tag(p.send, &[], 3);
+    assert_eq!(rc, NCCL_SUCCESS);
+    let (rc, s1) = isend_tag(p.send, &m1, 1);
+    assert_eq!(rc, NCCL_SUCCESS);
+    assert_eq!(wait(s2, 1), (NCCL_SUCCESS, vec![1000]));
+    assert_eq!(wait(s0, 1), (NCCL_SUCCESS, vec![0]));
+    assert_eq!(wait(s1, 1), (NCCL_SUCCESS, vec![3000]));
+    assert_eq!(wait(r, 3), (NCCL_SUCCESS, vec![3000, 0, 1000]));
+    assert!(a[..3000].iter().all(|&x| x == 1) && a[3000..].iter().all(|&x| x == 0));
+    assert!(b[..1000].iter().all(|&x| x == 2) && b[1000..].iter().all(|&x| x == 0));
+    assert!(z.iter().all(|&x| x == 0));
+    close(p);
+    drop(ctx);
+}
+
+#[test]
+fn a_foreign_handle_never_takes_over_another_connect_in_progress() {
+    let _serial = ONE_AT_A_TIME.lock();
+    let ctx = Ctx::init(ENV);
+    let (mut ha, la) = listen(&ctx);
+    let mut s = null_mut();
+    // SAFETY: first step of a connect to listener A.
+    assert_eq!(unsafe { NET.connect.unwrap()(ctx.0, 0, ha.as_mut_ptr().cast(), &mut s, null_mut()) }, NCCL_SUCCESS);
+    assert!(ha[64..72].iter().any(|&b| b != 0), "the connect keeps its state key in the handle");
+    // Junk with no Prism magic that happens to carry A's key.
+    let mut junk = [0u8; 128];
+    junk[64..72].copy_from_slice(&ha[64..72]);
+    let start = Instant::now();
+    let rc = loop {
+        let mut out = null_mut();
+        // SAFETY: the connect contract with a 128-byte handle of junk.
+        let rc = unsafe { NET.connect.unwrap()(ctx.0, 0, junk.as_mut_ptr().cast(), &mut out, null_mut()) };
+        assert!(out.is_null(), "a handle without Prism's magic connected (it took over another caller's connect)");
+        if rc != NCCL_SUCCESS {
+            break rc;
+        }
+        let mut r = null_mut();
+        // SAFETY: the accept contract.
+        unsafe { NET.accept.unwrap()(la, &mut r, null_mut()) };
+        if !r.is_null() {
+            // SAFETY: closed once.
+            unsafe { NET.close_recv.unwrap()(r) };
+        }
+        assert!(start.elapsed() < Duration::from_secs(10), "junk handle neither failed nor connected");
+    };
+    assert_ne!(rc, NCCL_SUCCESS);
+    // Listener B's real handle, carrying A's key (a buffer reused without clearing): it connects to B.
+    let (mut hb, lb) = listen(&ctx);
+    hb[64..72].copy_from_slice(&ha[64..72]);
+    let (mut sb, mut rb, mut ra): (*mut c_void, *mut c_void, *mut c_void) = (null_mut(), null_mut(), null_mut());
+    // B's comm pair carries data (a send comm connected to A would match no receive of B's).
+    let start = Instant::now();
+    while sb.is_null() || rb.is_null() {
+        // SAFETY: the connect/accept contracts.
+        unsafe {
+            if sb.is_null() {
+                assert_eq!(NET.connect.unwrap()(ctx.0, 0, hb.as_mut_ptr().cast(), &mut sb, null_mut()), NCCL_SUCCESS);
+            }
+            if rb.is_null() {
+                assert_eq!(NET.accept.unwrap()(lb, &mut rb, null_mut()), NCCL_SUCCESS);
+            }
+        }
+        assert!(start.elapsed() < Duration::from_secs(10), "B's handle did not connect to listener B within 10 s");
+    }
+    // And A's own caller still gets its comm, to A.
+    let start = Instant::now();
+    while s.is_null() || ra.is_null() {
+        // SAFETY: the connect/accept contracts, A's handle as A's caller left it.
+        unsafe {
+            if s.is_null() {
+                assert_eq!(NET.connect.unwrap()(ctx.0, 0, ha.as_mut_ptr().cast(), &mut s, null_mut()), NCCL_SUCCESS);
+            }
+            if ra.is_null() {
+                assert_eq!(NET.accept.unwrap()(la, &mut ra, null_mut()), NCCL_SUCCESS);
+            }
+        }
+        assert!(start.elapsed() < Duration::from_secs(10), "A's connect did not complete within 10 s");
+    }
+    let mut got = vec![0u8; 64];
+    let (rc, r) = irecv_group(rb, &[(got.as_mut_ptr(), 64)], &[0]);
+    assert_eq!(rc, NCCL_SUCCESS);
+    let (rc, sreq) = isend_tag(sb, &[7u8; 64], 0);
+    assert_eq!(rc, NCCL_SUCCESS);
+    assert_eq!(wait(sreq, 1), (NCCL_SUCCESS, vec![64]));
+    assert_eq!(wait(r, 1), (NCCL_SUCCESS, vec![64]));
+    assert_eq!(got, vec![7u8; 64]);
+    close(Pair { send: sb, recv: rb });
+    close(Pair { send: s, recv: ra });
+    // SAFETY: closed once.
+    unsafe {
+        NET.close_listen.unwrap()(la);
+        NET.close_listen.unwrap()(lb);
+    }
+    drop(ctx);
+}
