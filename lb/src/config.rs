@@ -158,8 +158,11 @@ fn decimal_permille(var: &'static str, value: &str, min: f64, max: f64, open: bo
     let (lo, hi) = if open { ("(", ")") } else { ("[", "]") };
     let reason = || format!("must be a decimal number in {lo}{min}, {max}{hi}");
     let x: f64 = v.parse().map_err(|_| bad(var, v, reason()))?;
-    let inside = x.is_finite() && if open { x > min && x < max } else { x >= min && x <= max };
+    // The bounds hold for the value as it is used, in thousandths: 0.9996 in (0, 1) would otherwise
+    // be accepted and become 1.000.
     let pm = (x * 1000.0).round();
+    let (lo_pm, hi_pm) = ((min * 1000.0).round(), (max * 1000.0).round());
+    let inside = x.is_finite() && if open { pm > lo_pm && pm < hi_pm } else { pm >= lo_pm && pm <= hi_pm };
     if !inside || pm < 1.0 {
         return Err(bad(var, v, reason()));
     }
@@ -438,6 +441,9 @@ mod tests {
             ("PRISM_CC", "dcqcn", "none, mcc"),
             ("PRISM_MCC_MD", "1.0", "(0, 1)"),
             ("PRISM_MCC_MD", "nan", "(0, 1)"),
+            // Inside (0, 1), but a thousandth from 1 it would round to 1.0 and never cut the window.
+            ("PRISM_MCC_MD", "0.9996", "(0, 1)"),
+            ("PRISM_MCC_MD", "0.0004", "(0, 1)"),
             ("PRISM_MCC_TARGET_MSG_US", "0", "between 1 and"),
             ("PRISM_MCC_INIT_WINDOW", "1024", "PRISM_MCC_MIN_WINDOW"),
             ("PRISM_TOPO", " ", "topology JSON file"),
