@@ -7,13 +7,22 @@
 //! their engine lives until the library is unloaded; a `.fini_array` hook drops it then, so its sockets
 //! close and a `dlopen` after `dlclose` starts clean. Comms keep the engine alive through an `Arc` until
 //! they are closed.
+//!
+//! There is never more than one engine: an `init` while the previous engine is still alive (comms of a
+//! finalized context still open) takes that engine up again, and one that comes while the previous
+//! engine is being dropped (another thread's last `finalize` or close) waits for it to be gone. Two
+//! engines side by side would each bind the rails' UDP ports; with `PRISM_UDP_SPORT_BASE` the second
+//! could not, and `init` failed.
 
 use std::collections::BTreeMap;
 use std::ffi::{c_int, CStr, CString};
 use std::path::PathBuf;
 use std::sync::Arc;
 
-use parking_lot::Mutex;
+use std::sync::Weak;
+use std::time::{Duration, Instant};
+
+use parking_lot::{Condvar, Mutex};
 use prism_transport::engine::{Net, MAX_RECVS};
 
 use crate::abi::props::DeviceProps;
@@ -42,6 +51,46 @@ pub struct NetState {
     pub devices: Vec<Device>,
     /// Where to write statistics when the engine goes away.
     pub stats_file: Option<PathBuf>,
+    /// Counts this engine as alive until everything above is dropped (fields drop in order).
+    _alive: Alive,
+}
+
+/// Engines built and not yet completely dropped, and a signal when one is gone.
+static ENGINES: Mutex<usize> = Mutex::new(0);
+static ENGINE_GONE: Condvar = Condvar::new();
+
+/// How long an `init` waits for a previous engine that is being dropped (its sockets closing, its
+/// threads ending); far longer than that takes.
+const TEARDOWN_WAIT: Duration = Duration::from_secs(10);
+
+/// One live engine in [`ENGINES`].
+struct Alive;
+
+impl Alive {
+    fn new() -> Self {
+        *ENGINES.lock() += 1;
+        Alive
+    }
+}
+
+impl Drop for Alive {
+    fn drop(&mut self) {
+        let mut n = ENGINES.lock();
+        *n = n.saturating_sub(1);
+        ENGINE_GONE.notify_all();
+    }
+}
+
+/// Waits until no engine is alive, or [`TEARDOWN_WAIT`] passed (the build then reports what it finds).
+fn wait_for_teardown() {
+    let deadline = Instant::now() + TEARDOWN_WAIT;
+    let mut n = ENGINES.lock();
+    while *n > 0 {
+        if ENGINE_GONE.wait_until(&mut n, deadline).timed_out() {
+            tracing::warn!("a previous engine is still being torn down after {TEARDOWN_WAIT:?}; building a new one beside it");
+            return;
+        }
+    }
 }
 
 impl NetState {
@@ -130,24 +179,33 @@ fn build() -> Result<NetState, PluginError> {
             d.guid
         );
     }
-    Ok(NetState { net, devices, stats_file })
+    Ok(NetState { net, devices, stats_file, _alive: Alive::new() })
 }
 
 struct Global {
     net: Option<Arc<NetState>>,
+    /// The last engine built, which open comms may keep alive after `net` let go of it.
+    last: Weak<NetState>,
     /// Live v11/v12 contexts.
     contexts: usize,
     /// A v9/v10 `init` happened: that engine has no finalize and stays until unload.
     legacy: bool,
 }
 
-static GLOBAL: Mutex<Global> = Mutex::new(Global { net: None, contexts: 0, legacy: false });
+static GLOBAL: Mutex<Global> = Mutex::new(Global { net: None, last: Weak::new(), contexts: 0, legacy: false });
 
 fn get_or_build(g: &mut Global) -> Result<Arc<NetState>, PluginError> {
     if let Some(n) = &g.net {
         return Ok(n.clone());
     }
+    if let Some(n) = g.last.upgrade() {
+        tracing::debug!(target: INIT_TARGET, "the previous engine is still in use by open comms; taking it up again");
+        g.net = Some(n.clone());
+        return Ok(n);
+    }
+    wait_for_teardown();
     let n = Arc::new(build()?);
+    g.last = Arc::downgrade(&n);
     g.net = Some(n.clone());
     Ok(n)
 }

@@ -226,3 +226,49 @@ fn a_foreign_handle_never_takes_over_another_connect_in_progress() {
     }
     drop(ctx);
 }
+
+#[test]
+fn a_full_comm_answers_null_and_takes_posts_again_once_requests_complete() {
+    let _serial = ONE_AT_A_TIME.lock();
+    let ctx = Ctx::init(ENV);
+    let p = connect(&ctx);
+    let msg = vec![3u8; 512];
+    let mut rbufs = vec![vec![0u8; 512]; 2048];
+    // Receives with no sender: post until the comm says "later".
+    let mut recvs = Vec::new();
+    loop {
+        let i = recvs.len();
+        let (rc, r) = irecv_group(p.recv, &[(rbufs[i].as_mut_ptr(), 512)], &[0]);
+        assert_eq!(rc, NCCL_SUCCESS, "a full recv comm must answer NULL, not an error");
+        if r.is_null() {
+            break;
+        }
+        recvs.push(r);
+        assert!(recvs.len() < 2048, "2048 receives accepted without a test");
+    }
+    assert!(recvs.len() >= 32, "only {} receives in flight; NCCL needs 32", recvs.len());
+    // Still "later" on a second try, and it stays so while nothing completes.
+    let (rc, r) = irecv_group(p.recv, &[(rbufs[recvs.len()].as_mut_ptr(), 512)], &[0]);
+    assert_eq!((rc, r.is_null()), (NCCL_SUCCESS, true));
+    // One send completes the oldest receive; then a receive is taken again.
+    let (rc, s) = isend_tag(p.send, &msg, 0);
+    assert_eq!(rc, NCCL_SUCCESS);
+    assert_eq!(wait(s, 1), (NCCL_SUCCESS, vec![512]));
+    assert_eq!(wait(recvs.remove(0), 1), (NCCL_SUCCESS, vec![512]));
+    let i = recvs.len() + 1;
+    let (rc, r) = irecv_group(p.recv, &[(rbufs[i].as_mut_ptr(), 512)], &[0]);
+    assert_eq!(rc, NCCL_SUCCESS);
+    assert!(!r.is_null(), "the recv comm stayed full after a receive completed");
+    recvs.push(r);
+    // Every outstanding receive still completes, in posting order, with its own data.
+    for (k, r) in recvs.into_iter().enumerate() {
+        let m = vec![(k % 251) as u8; 100 + k];
+        let (rc, s) = isend_tag(p.send, &m, 0);
+        assert_eq!(rc, NCCL_SUCCESS);
+        assert!(!s.is_null());
+        assert_eq!(wait(s, 1), (NCCL_SUCCESS, vec![(100 + k) as c_int]));
+        assert_eq!(wait(r, 1), (NCCL_SUCCESS, vec![(100 + k) as c_int]), "receive {k}");
+    }
+    close(p);
+    drop(ctx);
+}
