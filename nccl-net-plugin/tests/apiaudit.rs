@@ -272,3 +272,54 @@ fn a_full_comm_answers_null_and_takes_posts_again_once_requests_complete() {
     close(p);
     drop(ctx);
 }
+
+#[test]
+fn a_receive_whose_send_completed_succeeds_even_if_the_sender_closed_before_it_was_tested() {
+    let _serial = ONE_AT_A_TIME.lock();
+    let ctx = Ctx::init(ENV);
+    for len in [0usize, 100, 70_000, 1 << 20] {
+        let p = connect(&ctx);
+        let msg: Vec<u8> = (0..len).map(|i| (i * 7 + 1) as u8).collect();
+        let mut got = vec![0u8; len + 8];
+        let (rc, r) = irecv_group(p.recv, &[(got.as_mut_ptr(), len + 8)], &[0]);
+        assert_eq!(rc, NCCL_SUCCESS);
+        let (rc, s) = isend_tag(p.send, &msg, 0);
+        assert_eq!(rc, NCCL_SUCCESS);
+        // The send is done once every byte is acknowledged: the receiver has all of it.
+        assert_eq!(wait(s, 1), (NCCL_SUCCESS, vec![len as c_int]));
+        // SAFETY: closed once, nothing in flight on it.
+        assert_eq!(unsafe { NET.close_send.unwrap()(p.send) }, NCCL_SUCCESS);
+        std::thread::sleep(Duration::from_millis(20));
+        assert_eq!(wait(r, 1), (NCCL_SUCCESS, vec![len as c_int]), "{len} bytes");
+        assert_eq!(&got[..len], &msg[..]);
+        // SAFETY: closed once.
+        assert_eq!(unsafe { NET.close_recv.unwrap()(p.recv) }, NCCL_SUCCESS);
+    }
+    drop(ctx);
+}
+
+#[test]
+fn a_send_whose_receive_completed_succeeds_even_if_the_receiver_closed_before_it_was_tested() {
+    let _serial = ONE_AT_A_TIME.lock();
+    let ctx = Ctx::init(ENV);
+    for len in [0usize, 100, 70_000, 1 << 20] {
+        for _ in 0..5 {
+            let p = connect(&ctx);
+            let msg: Vec<u8> = (0..len).map(|i| (i * 7 + 1) as u8).collect();
+            let mut got = vec![0u8; len + 8];
+            let (rc, r) = irecv_group(p.recv, &[(got.as_mut_ptr(), len + 8)], &[0]);
+            assert_eq!(rc, NCCL_SUCCESS);
+            let (rc, s) = isend_tag(p.send, &msg, 0);
+            assert_eq!(rc, NCCL_SUCCESS);
+            // Progress the sender only through the receiver's tests (one progress thread serves both).
+            assert_eq!(wait(r, 1), (NCCL_SUCCESS, vec![len as c_int]));
+            assert_eq!(&got[..len], &msg[..]);
+            // SAFETY: closed once, nothing in flight on it.
+            assert_eq!(unsafe { NET.close_recv.unwrap()(p.recv) }, NCCL_SUCCESS);
+            assert_eq!(wait(s, 1), (NCCL_SUCCESS, vec![len as c_int]), "{len} bytes: the peer got them all");
+            // SAFETY: closed once.
+            assert_eq!(unsafe { NET.close_send.unwrap()(p.send) }, NCCL_SUCCESS);
+        }
+    }
+    drop(ctx);
+}

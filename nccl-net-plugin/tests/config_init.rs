@@ -88,6 +88,16 @@ fn every_unusable_value_fails_init_with_a_reason_naming_its_variable_and_init_re
     assert_ne!(rc, NCCL_SUCCESS);
     assert!(ctx.is_null());
     assert!(log.contains("nosuchif0"), "{log}");
+    // Values that parse but cannot be used on this host: the reason names the variable.
+    for (var, value) in [("PRISM_TOPO", "/nonexistent/prism-topo.json"), ("PRISM_TRANSPORT", "verbs")] {
+        if var == "PRISM_TRANSPORT" && std::path::Path::new("/sys/class/infiniband").exists() {
+            continue; // an RDMA device exists here: verbs may well work
+        }
+        let (rc, ctx, log) = init_with(&[(var, value)]);
+        assert_ne!(rc, NCCL_SUCCESS, "{var}={value}");
+        assert!(ctx.is_null());
+        assert!(log.contains(var) || log.contains(value), "{var}={value}: {log}");
+    }
     // And with a good environment again, init works.
     let (rc, ctx, log) = init_with(&[]);
     assert_eq!(rc, NCCL_SUCCESS, "{log}");
