@@ -101,7 +101,18 @@ impl PluginConfig {
         }
         let transport = TransportConfig::from_vars(&vars)?;
         let lb = LbConfig::from_vars(&vars)?;
-        let stats = vars.get(STATS_VAR).filter(|s| !s.trim().is_empty()).cloned();
+        // Set but empty is most likely `PRISM_STATS=$VAR` with VAR unset: an error, not "off" (which is
+        // what leaving it unset says), so a run meant to be measured does not end without statistics.
+        let stats = match vars.get(STATS_VAR) {
+            Some(s) if s.trim().is_empty() => {
+                return Err(PluginError::BadValue {
+                    var: STATS_VAR,
+                    value: s.clone(),
+                    reason: "must name a file (or be unset for no statistics)",
+                })
+            }
+            s => s.cloned(),
+        };
         Ok(Self { vars, transport, lb, stats })
     }
 
@@ -197,6 +208,15 @@ mod tests {
         assert!(d.contains("PRISM_PATH=ecmp"), "{d}");
         assert!(d.contains("path=ecmp"), "{d}");
         assert!(d.contains("stats: out/s-%p.json"), "{d}");
+    }
+
+    #[test]
+    fn an_empty_stats_file_name_is_an_error_naming_the_variable() {
+        for v in ["", " ", "\t"] {
+            let err = PluginConfig::from_vars(vars(&[(STATS_VAR, v)])).unwrap_err();
+            assert!(err.to_string().starts_with("PRISM_STATS="), "{err}");
+            assert_eq!(err.code(), 4, "{err}");
+        }
     }
 
     #[test]

@@ -26,6 +26,16 @@ pub enum PluginError {
         /// The names Prism understands, comma-separated.
         known: String,
     },
+    /// A plugin variable (not the transport's or the load balancer's) with an unusable value.
+    #[error("{var}={value}: {reason}")]
+    BadValue {
+        /// The variable.
+        var: &'static str,
+        /// Its value as set.
+        value: String,
+        /// What it accepts.
+        reason: &'static str,
+    },
     /// A `PRISM_*` variable whose value is not UTF-8.
     #[error("{0}: value is not valid UTF-8")]
     NotUtf8(String),
@@ -63,7 +73,9 @@ impl PluginError {
                 TransportError::Truncated(_) => NCCL_INVALID_USAGE,
                 TransportError::RequestFailed(_) => NCCL_REMOTE_ERROR,
             },
-            PluginError::LbConfig(_) | PluginError::UnknownVars { .. } | PluginError::NotUtf8(_) => NCCL_INVALID_ARGUMENT,
+            PluginError::LbConfig(_) | PluginError::UnknownVars { .. } | PluginError::BadValue { .. } | PluginError::NotUtf8(_) => {
+                NCCL_INVALID_ARGUMENT
+            }
             PluginError::InvalidArgument(_)
             | PluginError::NotInitialized(_)
             | PluginError::Unsupported(_)

@@ -76,6 +76,9 @@ fn every_unusable_value_fails_init_with_a_reason_naming_its_variable_and_init_re
         ("PRISM_MCC_MD", "0.9996"),
         ("PRISM_TOPO", ""),
         ("PRISM_PAHT", "spray"),
+        // Set but empty (`PRISM_STATS=$UNSET_VAR`): not "off", which is what unsetting it says.
+        ("PRISM_STATS", ""),
+        ("PRISM_STATS", "  "),
     ];
     for (var, value) in cases {
         let (rc, ctx, log) = init_with(&[(var, value)]);
