@@ -323,3 +323,45 @@ fn a_send_whose_receive_completed_succeeds_even_if_the_receiver_closed_before_it
     }
     drop(ctx);
 }
+
+#[test]
+fn a_full_send_comm_takes_sends_again_once_they_complete_and_all_arrive_in_order() {
+    let _serial = ONE_AT_A_TIME.lock();
+    let ctx = Ctx::init(ENV);
+    let p = connect(&ctx);
+    let msgs: Vec<Vec<u8>> = (0..2048).map(|k| vec![(k % 251) as u8; 64 + k % 512]).collect();
+    // Sends with no receive: post until the comm says "later".
+    let mut sends = Vec::new();
+    loop {
+        let k = sends.len();
+        let (rc, s) = isend_tag(p.send, &msgs[k], 0);
+        assert_eq!(rc, NCCL_SUCCESS, "a full send comm must answer NULL, not an error");
+        if s.is_null() {
+            break;
+        }
+        sends.push(s);
+        assert!(sends.len() < 2048, "2048 sends accepted without a test");
+    }
+    assert!(sends.len() >= 256, "only {} sends in flight; NCCL needs maxRecvs x 32", sends.len());
+    let n = sends.len();
+    // Receive them all, in order, each into its own buffer; then the comm takes a send again.
+    let mut bufs = vec![vec![0u8; 1024]; n + 1];
+    for (k, s) in sends.into_iter().enumerate() {
+        let (rc, r) = irecv_group(p.recv, &[(bufs[k].as_mut_ptr(), 1024)], &[0]);
+        assert_eq!(rc, NCCL_SUCCESS);
+        assert!(!r.is_null());
+        let len = msgs[k].len();
+        assert_eq!(wait(r, 1), (NCCL_SUCCESS, vec![len as c_int]), "receive {k}");
+        assert_eq!(&bufs[k][..len], &msgs[k][..], "receive {k} got another send's data");
+        assert_eq!(wait(s, 1), (NCCL_SUCCESS, vec![len as c_int]), "send {k}");
+    }
+    let (rc, s) = isend_tag(p.send, &msgs[n], 0);
+    assert_eq!(rc, NCCL_SUCCESS);
+    assert!(!s.is_null(), "the send comm stayed full after every send completed");
+    let (rc, r) = irecv_group(p.recv, &[(bufs[n].as_mut_ptr(), 1024)], &[0]);
+    assert_eq!(rc, NCCL_SUCCESS);
+    assert_eq!(wait(s, 1).0, NCCL_SUCCESS);
+    assert_eq!(wait(r, 1).0, NCCL_SUCCESS);
+    close(p);
+    drop(ctx);
+}
