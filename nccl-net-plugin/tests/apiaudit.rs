@@ -365,3 +365,35 @@ fn a_full_send_comm_takes_sends_again_once_they_complete_and_all_arrive_in_order
     close(p);
     drop(ctx);
 }
+
+#[test]
+fn testing_only_the_newest_request_progresses_the_ones_before_it() {
+    let _serial = ONE_AT_A_TIME.lock();
+    let ctx = Ctx::init(ENV);
+    let p = connect(&ctx);
+    let msgs: Vec<Vec<u8>> = (0..32).map(|k| vec![k as u8 + 1; 1000 + 3000 * k]).collect();
+    let mut bufs = vec![vec![0u8; 100_000]; 32];
+    let mut recvs = Vec::new();
+    let mut sends = Vec::new();
+    for k in 0..32 {
+        let (rc, r) = irecv_group(p.recv, &[(bufs[k].as_mut_ptr(), 100_000)], &[0]);
+        assert_eq!(rc, NCCL_SUCCESS);
+        assert!(!r.is_null());
+        recvs.push(r);
+        let (rc, s) = isend_tag(p.send, &msgs[k], 0);
+        assert_eq!(rc, NCCL_SUCCESS);
+        assert!(!s.is_null());
+        sends.push(s);
+    }
+    // aws-ofi-nccl's tests poll in arbitrary order: the newest of each first, then the rest backwards.
+    let len = |k: usize| msgs[k].len() as c_int;
+    assert_eq!(wait(recvs[31], 1), (NCCL_SUCCESS, vec![len(31)]));
+    assert_eq!(wait(sends[31], 1), (NCCL_SUCCESS, vec![len(31)]));
+    for k in (0..31).rev() {
+        assert_eq!(wait(recvs[k], 1), (NCCL_SUCCESS, vec![len(k)]), "receive {k}");
+        assert_eq!(wait(sends[k], 1), (NCCL_SUCCESS, vec![len(k)]), "send {k}");
+        assert_eq!(&bufs[k][..msgs[k].len()], &msgs[k][..]);
+    }
+    close(p);
+    drop(ctx);
+}
