@@ -16,7 +16,7 @@ use nccl_net_prism::exports::ncclNetPlugin_v12 as NET;
 use parking_lot::Mutex;
 
 mod common;
-use common::Ctx;
+use common::{close, connect, Ctx, Pair};
 
 static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
 
@@ -25,43 +25,6 @@ const INTERNAL: c_int = 3;
 
 /// A short connect timeout, so that a connect to nobody fails within the test.
 const ENV: &[(&str, &str)] = &[("PRISM_CONNECT_TIMEOUT_MS", "1500")];
-
-struct Pair {
-    send: *mut c_void,
-    recv: *mut c_void,
-}
-
-/// A connected pair over loopback, made with NCCL's retry loop.
-fn connect(ctx: &Ctx) -> Pair {
-    let mut handle = [0u8; 128];
-    let mut listen = null_mut();
-    // SAFETY: the v12 listen contract.
-    assert_eq!(unsafe { NET.listen.unwrap()(ctx.0, 0, handle.as_mut_ptr().cast(), &mut listen) }, NCCL_SUCCESS);
-    let (mut send, mut recv): (*mut c_void, *mut c_void) = (null_mut(), null_mut());
-    let start = Instant::now();
-    while send.is_null() || recv.is_null() {
-        if send.is_null() {
-            // SAFETY: the connect contract; the same handle on every retry.
-            assert_eq!(unsafe { NET.connect.unwrap()(ctx.0, 0, handle.as_mut_ptr().cast(), &mut send, null_mut()) }, NCCL_SUCCESS);
-        }
-        if recv.is_null() {
-            // SAFETY: the accept contract.
-            assert_eq!(unsafe { NET.accept.unwrap()(listen, &mut recv, null_mut()) }, NCCL_SUCCESS);
-        }
-        assert!(start.elapsed() < Duration::from_secs(60), "no loopback connection within 60 s");
-    }
-    // SAFETY: the listen comm, closed once.
-    assert_eq!(unsafe { NET.close_listen.unwrap()(listen) }, NCCL_SUCCESS);
-    Pair { send, recv }
-}
-
-fn close(p: Pair) {
-    // SAFETY: comms from connect/accept, closed once.
-    unsafe {
-        assert_eq!(NET.close_send.unwrap()(p.send), NCCL_SUCCESS);
-        assert_eq!(NET.close_recv.unwrap()(p.recv), NCCL_SUCCESS);
-    }
-}
 
 fn isend(send: *mut c_void, data: *const u8, size: usize) -> (c_int, *mut c_void) {
     let mut req = null_mut();

@@ -12,7 +12,7 @@ use nccl_net_prism::exports::ncclNetPlugin_v12 as NET;
 use parking_lot::Mutex;
 
 mod common;
-use common::Ctx;
+use common::{close, connect, drive_connect, listen, Ctx, Pair};
 
 static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
 
@@ -20,47 +20,6 @@ static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
 const INVALID_USAGE: c_int = 5;
 
 const ENV: &[(&str, &str)] = &[("PRISM_CONNECT_TIMEOUT_MS", "3000")];
-
-struct Pair {
-    send: *mut c_void,
-    recv: *mut c_void,
-}
-
-fn listen(ctx: &Ctx) -> ([u8; 128], *mut c_void) {
-    let mut handle = [0u8; 128];
-    let mut l = null_mut();
-    // SAFETY: the v12 listen contract.
-    assert_eq!(unsafe { NET.listen.unwrap()(ctx.0, 0, handle.as_mut_ptr().cast(), &mut l) }, NCCL_SUCCESS);
-    (handle, l)
-}
-
-fn connect(ctx: &Ctx) -> Pair {
-    let (mut handle, l) = listen(ctx);
-    let (mut send, mut recv): (*mut c_void, *mut c_void) = (null_mut(), null_mut());
-    let start = Instant::now();
-    while send.is_null() || recv.is_null() {
-        if send.is_null() {
-            // SAFETY: the connect contract; the same handle on every retry.
-            assert_eq!(unsafe { NET.connect.unwrap()(ctx.0, 0, handle.as_mut_ptr().cast(), &mut send, null_mut()) }, NCCL_SUCCESS);
-        }
-        if recv.is_null() {
-            // SAFETY: the accept contract.
-            assert_eq!(unsafe { NET.accept.unwrap()(l, &mut recv, null_mut()) }, NCCL_SUCCESS);
-        }
-        assert!(start.elapsed() < Duration::from_secs(60), "no loopback connection within 60 s");
-    }
-    // SAFETY: closed once.
-    assert_eq!(unsafe { NET.close_listen.unwrap()(l) }, NCCL_SUCCESS);
-    Pair { send, recv }
-}
-
-fn close(p: Pair) {
-    // SAFETY: comms from connect/accept, closed once.
-    unsafe {
-        assert_eq!(NET.close_send.unwrap()(p.send), NCCL_SUCCESS);
-        assert_eq!(NET.close_recv.unwrap()(p.recv), NCCL_SUCCESS);
-    }
-}
 
 fn isend_tag(send: *mut c_void, data: &[u8], tag: c_int) -> (c_int, *mut c_void) {
     let mut req = null_mut();
@@ -182,33 +141,9 @@ fn a_foreign_handle_never_takes_over_another_connect_in_progress() {
     hb[64..72].copy_from_slice(&ha[64..72]);
     let (mut sb, mut rb, mut ra): (*mut c_void, *mut c_void, *mut c_void) = (null_mut(), null_mut(), null_mut());
     // B's comm pair carries data (a send comm connected to A would match no receive of B's).
-    let start = Instant::now();
-    while sb.is_null() || rb.is_null() {
-        // SAFETY: the connect/accept contracts.
-        unsafe {
-            if sb.is_null() {
-                assert_eq!(NET.connect.unwrap()(ctx.0, 0, hb.as_mut_ptr().cast(), &mut sb, null_mut()), NCCL_SUCCESS);
-            }
-            if rb.is_null() {
-                assert_eq!(NET.accept.unwrap()(lb, &mut rb, null_mut()), NCCL_SUCCESS);
-            }
-        }
-        assert!(start.elapsed() < Duration::from_secs(10), "B's handle did not connect to listener B within 10 s");
-    }
+    drive_connect(&ctx, &mut hb, lb, &mut sb, &mut rb, Duration::from_secs(10));
     // And A's own caller still gets its comm, to A.
-    let start = Instant::now();
-    while s.is_null() || ra.is_null() {
-        // SAFETY: the connect/accept contracts, A's handle as A's caller left it.
-        unsafe {
-            if s.is_null() {
-                assert_eq!(NET.connect.unwrap()(ctx.0, 0, ha.as_mut_ptr().cast(), &mut s, null_mut()), NCCL_SUCCESS);
-            }
-            if ra.is_null() {
-                assert_eq!(NET.accept.unwrap()(la, &mut ra, null_mut()), NCCL_SUCCESS);
-            }
-        }
-        assert!(start.elapsed() < Duration::from_secs(10), "A's connect did not complete within 10 s");
-    }
+    drive_connect(&ctx, &mut ha, la, &mut s, &mut ra, Duration::from_secs(10));
     let mut got = vec![0u8; 64];
     let (rc, r) = irecv_group(rb, &[(got.as_mut_ptr(), 64)], &[0]);
     assert_eq!(rc, NCCL_SUCCESS);

@@ -6,6 +6,7 @@ use std::ffi::c_void;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::ptr::null_mut;
+use std::time::{Duration, Instant};
 
 use nccl_net_prism::abi::NCCL_SUCCESS;
 use nccl_net_prism::exports::ncclNetPlugin_v12 as NET;
@@ -47,6 +48,64 @@ impl Drop for Ctx {
             // SAFETY: the context init returned, not finalized yet.
             unsafe { NET.finalize.unwrap()(self.0) };
         }
+    }
+}
+
+/// A send comm and the receive comm it is connected to.
+pub struct Pair {
+    pub send: *mut c_void,
+    pub recv: *mut c_void,
+}
+
+/// `listen` on device 0 of `ctx`: the handle to connect with and the listen comm.
+pub fn listen(ctx: &Ctx) -> ([u8; 128], *mut c_void) {
+    let mut handle = [0u8; 128];
+    let mut l = null_mut();
+    // SAFETY: the v12 listen contract.
+    assert_eq!(unsafe { NET.listen.unwrap()(ctx.0, 0, handle.as_mut_ptr().cast(), &mut l) }, NCCL_SUCCESS);
+    (handle, l)
+}
+
+/// NCCL's retry loop: `connect` with `handle` and `accept` on `listen` until both comms exist, for at
+/// most `limit`.
+pub fn drive_connect(
+    ctx: &Ctx,
+    handle: &mut [u8; 128],
+    listen: *mut c_void,
+    send: &mut *mut c_void,
+    recv: &mut *mut c_void,
+    limit: Duration,
+) {
+    let start = Instant::now();
+    while send.is_null() || recv.is_null() {
+        if send.is_null() {
+            // SAFETY: the connect contract; the same handle on every retry.
+            assert_eq!(unsafe { NET.connect.unwrap()(ctx.0, 0, handle.as_mut_ptr().cast(), send, null_mut()) }, NCCL_SUCCESS);
+        }
+        if recv.is_null() {
+            // SAFETY: the accept contract.
+            assert_eq!(unsafe { NET.accept.unwrap()(listen, recv, null_mut()) }, NCCL_SUCCESS);
+        }
+        assert!(start.elapsed() < limit, "no loopback connection within {limit:?}");
+    }
+}
+
+/// A connected pair over loopback, made with NCCL's retry loop; the listen comm is closed.
+pub fn connect(ctx: &Ctx) -> Pair {
+    let (mut handle, l) = listen(ctx);
+    let (mut send, mut recv) = (null_mut(), null_mut());
+    drive_connect(ctx, &mut handle, l, &mut send, &mut recv, Duration::from_secs(60));
+    // SAFETY: the listen comm, closed once.
+    assert_eq!(unsafe { NET.close_listen.unwrap()(l) }, NCCL_SUCCESS);
+    Pair { send, recv }
+}
+
+/// Close both comms of a pair.
+pub fn close(p: Pair) {
+    // SAFETY: comms from connect/accept, closed once.
+    unsafe {
+        assert_eq!(NET.close_send.unwrap()(p.send), NCCL_SUCCESS);
+        assert_eq!(NET.close_recv.unwrap()(p.recv), NCCL_SUCCESS);
     }
 }
 
