@@ -208,18 +208,26 @@ fn a_full_comm_answers_null_and_takes_posts_again_once_requests_complete() {
     drop(ctx);
 }
 
+/// A receive of `len` + 8 bytes, then a send of `len` patterned bytes on `p`: the message, the receive
+/// buffer (its heap storage is what the receive writes to: keep it until the receive is done) and the
+/// two requests.
+fn post_one(p: &Pair, len: usize) -> (Vec<u8>, Vec<u8>, *mut c_void, *mut c_void) {
+    let msg: Vec<u8> = (0..len).map(|i| (i * 7 + 1) as u8).collect();
+    let mut got = vec![0u8; len + 8];
+    let (rc, r) = irecv_group(p.recv, &[(got.as_mut_ptr(), len + 8)], &[0]);
+    assert_eq!(rc, NCCL_SUCCESS);
+    let (rc, s) = isend_tag(p.send, &msg, 0);
+    assert_eq!(rc, NCCL_SUCCESS);
+    (msg, got, r, s)
+}
+
 #[test]
 fn a_receive_whose_send_completed_succeeds_even_if_the_sender_closed_before_it_was_tested() {
     let _serial = ONE_AT_A_TIME.lock();
     let ctx = Ctx::init(ENV);
     for len in [0usize, 100, 70_000, 1 << 20] {
         let p = connect(&ctx);
-        let msg: Vec<u8> = (0..len).map(|i| (i * 7 + 1) as u8).collect();
-        let mut got = vec![0u8; len + 8];
-        let (rc, r) = irecv_group(p.recv, &[(got.as_mut_ptr(), len + 8)], &[0]);
-        assert_eq!(rc, NCCL_SUCCESS);
-        let (rc, s) = isend_tag(p.send, &msg, 0);
-        assert_eq!(rc, NCCL_SUCCESS);
+        let (msg, got, r, s) = post_one(&p, len);
         // The send is done once every byte is acknowledged: the receiver has all of it.
         assert_eq!(wait(s, 1), (NCCL_SUCCESS, vec![len as c_int]));
         // SAFETY: closed once, nothing in flight on it.
@@ -240,12 +248,7 @@ fn a_send_whose_receive_completed_succeeds_even_if_the_receiver_closed_before_it
     for len in [0usize, 100, 70_000, 1 << 20] {
         for _ in 0..5 {
             let p = connect(&ctx);
-            let msg: Vec<u8> = (0..len).map(|i| (i * 7 + 1) as u8).collect();
-            let mut got = vec![0u8; len + 8];
-            let (rc, r) = irecv_group(p.recv, &[(got.as_mut_ptr(), len + 8)], &[0]);
-            assert_eq!(rc, NCCL_SUCCESS);
-            let (rc, s) = isend_tag(p.send, &msg, 0);
-            assert_eq!(rc, NCCL_SUCCESS);
+            let (msg, got, r, s) = post_one(&p, len);
             // Progress the sender only through the receiver's tests (one progress thread serves both).
             assert_eq!(wait(r, 1), (NCCL_SUCCESS, vec![len as c_int]));
             assert_eq!(&got[..len], &msg[..]);
