@@ -150,6 +150,17 @@ fn build() -> Result<NetState, PluginError> {
     let cfg = PluginConfig::from_env()?;
     tracing::info!(target: INIT_TARGET, "{}", cfg.describe());
     let stats_file = cfg.stats_file(std::process::id());
+    if let Some(path) = &stats_file {
+        // Found now rather than when the job ends and the statistics are written.
+        let dir = path.parent().filter(|d| !d.as_os_str().is_empty()).unwrap_or(std::path::Path::new("."));
+        if !dir.is_dir() {
+            return Err(PluginError::BadValue {
+                var: crate::config::STATS_VAR,
+                value: path.display().to_string(),
+                reason: "its directory does not exist",
+            });
+        }
+    }
     let net = Net::new(cfg.transport, cfg.lb)?;
     let devices: Vec<Device> = net
         .devices()

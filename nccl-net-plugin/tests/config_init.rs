@@ -92,7 +92,9 @@ fn every_unusable_value_fails_init_with_a_reason_naming_its_variable_and_init_re
     assert!(ctx.is_null());
     assert!(log.contains("nosuchif0"), "{log}");
     // Values that parse but cannot be used on this host: the reason names the variable.
-    for (var, value) in [("PRISM_TOPO", "/nonexistent/prism-topo.json"), ("PRISM_TRANSPORT", "verbs")] {
+    for (var, value) in
+        [("PRISM_TOPO", "/nonexistent/prism-topo.json"), ("PRISM_STATS", "/nonexistent/prism-stats-%p.json"), ("PRISM_TRANSPORT", "verbs")]
+    {
         if var == "PRISM_TRANSPORT" && std::path::Path::new("/sys/class/infiniband").exists() {
             continue; // an RDMA device exists here: verbs may well work
         }
