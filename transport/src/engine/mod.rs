@@ -51,8 +51,8 @@ pub enum TransportError {
     /// The request id is not outstanding on this comm.
     #[error("unknown request {0}")]
     UnknownRequest(u32),
-    /// A send was larger than the receive it matched; both requests fail.
-    #[error("message truncated: {0}")]
+    /// A send was larger than the receive it matched; both requests fail. The text says so whole.
+    #[error("{0}")]
     Truncated(String),
     /// A request failed (peer gone, closed, ...). Its reason is in the message.
     #[error("request failed: {0}")]

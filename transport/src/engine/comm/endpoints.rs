@@ -132,3 +132,15 @@ impl RecvComm {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_truncated_request_says_so_once() {
+        let text = failed(MsgError::Truncated { send_len: 10_000, recv_len: 4096 }).to_string();
+        assert_eq!(text.matches("message truncated").count(), 1, "{text}");
+        assert!(text.contains("10000") && text.contains("4096"), "{text}");
+    }
+}
