@@ -109,7 +109,7 @@ fn a_grouped_receive_fills_each_buffer_by_tag_and_reports_each_size() {
 fn a_foreign_handle_never_takes_over_another_connect_in_progress() {
     let _serial = ONE_AT_A_TIME.lock();
     let ctx = Ctx::init(ENV);
-    let (mut ha, la) = listen(&ctx);
+    let (mut ha, la) = listen(ctx.0);
     let mut s = null_mut();
     // SAFETY: first step of a connect to listener A.
     assert_eq!(unsafe { NET.connect.unwrap()(ctx.0, 0, ha.as_mut_ptr().cast(), &mut s, null_mut()) }, NCCL_SUCCESS);
@@ -137,13 +137,13 @@ fn a_foreign_handle_never_takes_over_another_connect_in_progress() {
     };
     assert_ne!(rc, NCCL_SUCCESS);
     // Listener B's real handle, carrying A's key (a buffer reused without clearing): it connects to B.
-    let (mut hb, lb) = listen(&ctx);
+    let (mut hb, lb) = listen(ctx.0);
     hb[64..72].copy_from_slice(&ha[64..72]);
     let (mut sb, mut rb, mut ra): (*mut c_void, *mut c_void, *mut c_void) = (null_mut(), null_mut(), null_mut());
     // B's comm pair carries data (a send comm connected to A would match no receive of B's).
-    drive_connect(&ctx, &mut hb, lb, &mut sb, &mut rb, Duration::from_secs(10));
+    drive_connect(ctx.0, &mut hb, lb, &mut sb, &mut rb, Duration::from_secs(10));
     // And A's own caller still gets its comm, to A.
-    drive_connect(&ctx, &mut ha, la, &mut s, &mut ra, Duration::from_secs(10));
+    drive_connect(ctx.0, &mut ha, la, &mut s, &mut ra, Duration::from_secs(10));
     let mut got = vec![0u8; 64];
     let (rc, r) = irecv_group(rb, &[(got.as_mut_ptr(), 64)], &[0]);
     assert_eq!(rc, NCCL_SUCCESS);

@@ -11,6 +11,9 @@ use nccl_net_prism::abi::NCCL_SUCCESS;
 use nccl_net_prism::exports::ncclNetPlugin_v12 as NET;
 use parking_lot::Mutex;
 
+mod common;
+use common::{close, drive_connect, listen, Pair};
+
 static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
 
 fn env() {
@@ -34,24 +37,9 @@ fn finalize(ctx: *mut c_void) {
 }
 
 fn pair(ctx: *mut c_void) -> (*mut c_void, *mut c_void) {
-    let mut handle = [0u8; 128];
-    let mut l = null_mut();
-    // SAFETY: the listen contract.
-    assert_eq!(unsafe { NET.listen.unwrap()(ctx, 0, handle.as_mut_ptr().cast(), &mut l) }, NCCL_SUCCESS);
-    let (mut s, mut r): (*mut c_void, *mut c_void) = (null_mut(), null_mut());
-    let start = Instant::now();
-    while s.is_null() || r.is_null() {
-        // SAFETY: the connect/accept contracts.
-        unsafe {
-            if s.is_null() {
-                assert_eq!(NET.connect.unwrap()(ctx, 0, handle.as_mut_ptr().cast(), &mut s, null_mut()), NCCL_SUCCESS);
-            }
-            if r.is_null() {
-                assert_eq!(NET.accept.unwrap()(l, &mut r, null_mut()), NCCL_SUCCESS);
-            }
-        }
-        assert!(start.elapsed() < Duration::from_secs(30), "no connection");
-    }
+    let (mut handle, l) = listen(ctx);
+    let (mut s, mut r) = (null_mut(), null_mut());
+    drive_connect(ctx, &mut handle, l, &mut s, &mut r, Duration::from_secs(30));
     // SAFETY: closed once.
     assert_eq!(unsafe { NET.close_listen.unwrap()(l) }, NCCL_SUCCESS);
     (s, r)
@@ -82,14 +70,6 @@ fn exchange(s: *mut c_void, r: *mut c_void, len: usize) {
     assert_eq!(got, msg);
 }
 
-fn close(s: *mut c_void, r: *mut c_void) {
-    // SAFETY: comms from connect/accept, closed once.
-    unsafe {
-        assert_eq!(NET.close_send.unwrap()(s), NCCL_SUCCESS);
-        assert_eq!(NET.close_recv.unwrap()(r), NCCL_SUCCESS);
-    }
-}
-
 #[test]
 fn init_while_a_finalized_contexts_comms_are_open_reuses_their_engine() {
     let _serial = ONE_AT_A_TIME.lock();
@@ -102,9 +82,9 @@ fn init_while_a_finalized_contexts_comms_are_open_reuses_their_engine() {
     let (s2, r2) = pair(ctx2);
     exchange(s1, r1, 10_000);
     exchange(s2, r2, 10_000);
-    close(s1, r1);
+    close(Pair { send: s1, recv: r1 });
     exchange(s2, r2, 10_000);
-    close(s2, r2);
+    close(Pair { send: s2, recv: r2 });
     finalize(ctx2);
     assert_eq!(nccl_net_prism::global::census(), (0, false));
 }

@@ -9,7 +9,7 @@ use nccl_net_prism::exports::ncclNetPlugin_v12 as NET;
 use parking_lot::Mutex;
 
 mod common;
-use common::Ctx;
+use common::{Ctx, Pair};
 
 static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
 
@@ -148,14 +148,6 @@ fn transfer(send: *mut c_void, recv: *mut c_void, n: usize, len: usize, seed: u8
     }
 }
 
-fn close(send: *mut c_void, recv: *mut c_void) {
-    // SAFETY: v12 contract.
-    unsafe {
-        assert_eq!(NET.close_send.unwrap()(send), NCCL_SUCCESS);
-        assert_eq!(NET.close_recv.unwrap()(recv), NCCL_SUCCESS);
-    }
-}
-
 /// 1,000 communicator lifetimes: init, connect, data, close, finalize; nothing may grow.
 #[test]
 fn a_thousand_init_connect_close_finalize_cycles_leave_nothing() {
@@ -165,7 +157,7 @@ fn a_thousand_init_connect_close_finalize_cycles_leave_nothing() {
         let ctx = Ctx::init(&[]);
         let (s, r) = connect(ctx.0);
         transfer(s, r, 4, 5000, i as u8, Duration::from_secs(10));
-        close(s, r);
+        common::close(Pair { send: s, recv: r });
         ctx.finalize();
     };
     for i in 0..50 {
@@ -192,14 +184,14 @@ fn a_thousand_comm_pairs_on_one_context_leave_nothing() {
     for i in 0..50 {
         let (s, r) = connect(ctx.0);
         transfer(s, r, 4, 5000, i as u8, Duration::from_secs(10));
-        close(s, r);
+        common::close(Pair { send: s, recv: r });
     }
     let (rss0, fd0, th0) = (rss_kb(), fds(), threads());
     let t0 = Instant::now();
     for i in 0..1000 {
         let (s, r) = connect(ctx.0);
         transfer(s, r, 4, 5000, i as u8, Duration::from_secs(10));
-        close(s, r);
+        common::close(Pair { send: s, recv: r });
     }
     let (rss1, fd1, th1) = (rss_kb(), fds(), threads());
     eprintln!("1000 pairs in {:?}: RSS {rss0} -> {rss1} KB, fds {fd0} -> {fd1}, threads {th0} -> {th1}", t0.elapsed());
@@ -231,7 +223,7 @@ fn communicators_on_several_threads_with_init_and_finalize_racing() {
                         transfer(s.0, r.0, 8, len, (w * 50 + i) as u8, Duration::from_secs(20));
                     }
                     for (s, r) in pairs {
-                        close(s.0, r.0);
+                        common::close(Pair { send: s.0, recv: r.0 });
                     }
                     // SAFETY: v12 finalize contract.
                     assert_eq!(unsafe { NET.finalize.unwrap()(ctx) }, NCCL_SUCCESS);
@@ -261,7 +253,7 @@ fn three_hundred_pairs_through_the_plugin() {
     }
     eprintln!("data on all in {:?}", t1.elapsed());
     for (s, r) in pairs {
-        close(s, r);
+        common::close(Pair { send: s, recv: r });
     }
     ctx.finalize();
 }

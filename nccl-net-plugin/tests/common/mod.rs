@@ -57,19 +57,19 @@ pub struct Pair {
     pub recv: *mut c_void,
 }
 
-/// `listen` on device 0 of `ctx`: the handle to connect with and the listen comm.
-pub fn listen(ctx: &Ctx) -> ([u8; 128], *mut c_void) {
+/// `listen` on device 0 of context `ctx`: the handle to connect with and the listen comm.
+pub fn listen(ctx: *mut c_void) -> ([u8; 128], *mut c_void) {
     let mut handle = [0u8; 128];
     let mut l = null_mut();
     // SAFETY: the v12 listen contract.
-    assert_eq!(unsafe { NET.listen.unwrap()(ctx.0, 0, handle.as_mut_ptr().cast(), &mut l) }, NCCL_SUCCESS);
+    assert_eq!(unsafe { NET.listen.unwrap()(ctx, 0, handle.as_mut_ptr().cast(), &mut l) }, NCCL_SUCCESS);
     (handle, l)
 }
 
 /// NCCL's retry loop: `connect` with `handle` and `accept` on `listen` until both comms exist, for at
 /// most `limit`.
 pub fn drive_connect(
-    ctx: &Ctx,
+    ctx: *mut c_void,
     handle: &mut [u8; 128],
     listen: *mut c_void,
     send: &mut *mut c_void,
@@ -80,7 +80,7 @@ pub fn drive_connect(
     while send.is_null() || recv.is_null() {
         if send.is_null() {
             // SAFETY: the connect contract; the same handle on every retry.
-            assert_eq!(unsafe { NET.connect.unwrap()(ctx.0, 0, handle.as_mut_ptr().cast(), send, null_mut()) }, NCCL_SUCCESS);
+            assert_eq!(unsafe { NET.connect.unwrap()(ctx, 0, handle.as_mut_ptr().cast(), send, null_mut()) }, NCCL_SUCCESS);
         }
         if recv.is_null() {
             // SAFETY: the accept contract.
@@ -92,9 +92,9 @@ pub fn drive_connect(
 
 /// A connected pair over loopback, made with NCCL's retry loop; the listen comm is closed.
 pub fn connect(ctx: &Ctx) -> Pair {
-    let (mut handle, l) = listen(ctx);
+    let (mut handle, l) = listen(ctx.0);
     let (mut send, mut recv) = (null_mut(), null_mut());
-    drive_connect(ctx, &mut handle, l, &mut send, &mut recv, Duration::from_secs(60));
+    drive_connect(ctx.0, &mut handle, l, &mut send, &mut recv, Duration::from_secs(60));
     // SAFETY: the listen comm, closed once.
     assert_eq!(unsafe { NET.close_listen.unwrap()(l) }, NCCL_SUCCESS);
     Pair { send, recv }
