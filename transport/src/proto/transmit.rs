@@ -233,9 +233,23 @@ impl Connection {
             // of entropies and residues): starting at the policy's pick kept every probe in the
             // failed rail's block, and the peer was heard again only by a keepalive, 100-200 ms on.
             let start = if self.tx.stalled { self.paths.ctl_entropy() } else { first };
-            if let Some(e) = self.nearest_after(&ctx, start, false, &|c: &Self, e| {
-                Some(e) != avoid && c.paths.get(e).in_flight == 0 && c.paths.fitness(e, episode) == Fitness::Good
-            }) {
+            let idle_fit = |c: &Self, e| Some(e) != avoid && c.paths.get(e).in_flight == 0 && c.paths.fitness(e, episode) == Fitness::Good;
+            if let Some(e) = self.nearest_after(&ctx, start, true, &idle_fit) {
+                return e;
+            }
+            // A chunk pinned to paths that are all alive but unproven keeps its probe there too
+            // (see `pinned_unproven`): on the rail fabric most probes of Ethereal's sub-flows left
+            // their uplinks this way during episodes begun by other uplinks' late packets.
+            if self.pinned_unproven(&ctx, episode, now) {
+                let idle = |c: &Self, e| Some(e) != avoid && c.paths.get(e).in_flight == 0;
+                if let Some(e) = self
+                    .nearest_after(&ctx, start, true, &idle)
+                    .or_else(|| self.nearest_after(&ctx, start, true, &|_: &Self, e| Some(e) != avoid))
+                {
+                    return e;
+                }
+            }
+            if let Some(e) = self.nearest_after(&ctx, start, false, &idle_fit) {
                 return e;
             }
         }
@@ -273,6 +287,14 @@ impl Connection {
                 return e;
             }
         }
+        if self.pinned_unproven(&ctx, episode, now) {
+            if Some(first) != avoid && self.policy.allows(&ctx, None, first) {
+                return first;
+            }
+            if let Some(e) = self.nearest_after(&ctx, (first + 1) % n, true, &|_: &Self, e| Some(e) != avoid) {
+                return e;
+            }
+        }
         if let Some(e) = self
             .nearest_after(&ctx, (first + 1) % n, false, &|c: &Self, e| Some(e) != avoid && c.fitness_now(e, episode, now) == Fitness::Good)
         {
@@ -289,6 +311,28 @@ impl Connection {
             }
         }
         best.map_or(first, |(_, e)| e)
+    }
+
+    /// Whether the policy pins this chunk to some of the paths (Ethereal's uplink), none of them fit
+    /// now and all alive but unproven (or doubtful): then its packet keeps to them (the policy's pick,
+    /// else the nearest path it allows). A failure episode keeps new packets to paths proven since it
+    /// began, and a pinned chunk's paths were often all unproven: its own packets still queued, the
+    /// others idle, the episode begun by another uplink's late packet. Each new packet and tail-loss
+    /// probe then went to a proven path of another uplink: on the rail fabric 5-31 packets per run (up
+    /// to 270 KB) left the uplinks Ethereal's plan put them on, the largest part of its uplink spread
+    /// (the episodes came from losses found by time, mostly spurious). When one of the chunk's paths
+    /// is suspect or dead its uplink may be failing, and the packet leaves it as before.
+    fn pinned_unproven(&mut self, ctx: &PathCtx, episode: Option<Micros>, now: Micros) -> bool {
+        let mut pinned = false;
+        for e in 0..self.cfg.n_paths {
+            if !self.policy.allows(ctx, None, e) {
+                pinned = true;
+            } else if !matches!(self.fitness_now(e, episode, now), Fitness::Doubtful | Fitness::Unproven) {
+                // A fit one is taken as usual; a suspect or dead one may mean the uplink fails.
+                return false;
+            }
+        }
+        pinned
     }
 
     /// The first entropy from `start` on (in entropy order, wrapping) that `ok` accepts and the policy
@@ -342,5 +386,81 @@ fn fitness_at(paths: &Paths, rack_rtt_us: u64, e: u16, episode: Option<Micros>, 
     match path.queue.front() {
         Some(oldest) if oldest.sent_at.saturating_add(rtt + rtt / 4) < now => Fitness::Doubtful,
         _ => f,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use prism_lb::{PathCtx, PathPolicy};
+
+    use super::super::config::ProtoConfig;
+    use super::super::connection::Connection;
+    use super::super::MsgId;
+
+    /// A chunk pinned to uplink 2 of 4 (entropies `e % 4 == 2`), as Ethereal's plan pins one: picks
+    /// walk that uplink's entropies, and `allows` tells the transport so.
+    struct PinnedToUplink2(u16);
+
+    impl PathPolicy for PinnedToUplink2 {
+        fn name(&self) -> &'static str {
+            "pinned"
+        }
+        fn pick(&mut self, ctx: &PathCtx) -> u16 {
+            self.0 = (self.0 + 1) % (ctx.n_paths / 4);
+            4 * self.0 + 2
+        }
+        fn allows(&mut self, _ctx: &PathCtx, _uplink: Option<u16>, e: u16) -> bool {
+            e % 4 == 2
+        }
+    }
+
+    /// 64 paths; path 1 (uplink 1) lost a packet sent at 1 ms (a failure episode since then); uplink 0's
+    /// paths delivered packets sent after it (proven); uplink 2's carried nothing since (unproven).
+    fn conn_in_an_episode() -> Connection {
+        let cfg = ProtoConfig { n_paths: 64, ..ProtoConfig::default() };
+        let mut c = Connection::new(cfg, 1, 2, Box::new(PinnedToUplink2(0)), 0);
+        for e in [0u16, 4, 8, 12] {
+            c.paths.delivered(e, 10 + u64::from(e), 1_500, 300, 1_800, &mut c.stats.paths);
+        }
+        c.paths.lost(1, 5, 1_000, true, 2_000, &mut c.stats.paths);
+        assert_eq!(c.paths.episode(), Some(1_000), "the loss began a failure episode");
+        c
+    }
+
+    #[test]
+    fn a_pinned_chunk_whose_paths_are_all_unproven_keeps_to_them_during_an_episode() {
+        // On the rail fabric another uplink's late packet began an episode while this sub-flow's own
+        // packets still waited in a deep queue: each new packet went to a proven path of another
+        // uplink, and up to 270 KB per run left the uplinks Ethereal's plan put them on.
+        let mut c = conn_in_an_episode();
+        for k in 0..32 {
+            let e = c.pick_path(MsgId(0), k * 8832, false, None, 2_000);
+            assert_eq!(e % 4, 2, "new packet {k} left its uplink for entropy {e}");
+        }
+    }
+
+    #[test]
+    fn a_tail_loss_probe_of_a_pinned_chunk_whose_paths_are_all_unproven_keeps_to_them() {
+        let mut c = conn_in_an_episode();
+        for k in 0..8 {
+            c.tx.probe_pick = true;
+            let e = c.pick_path(MsgId(0), k * 8832, false, None, 2_000);
+            assert_eq!(e % 4, 2, "probe {k} left its uplink for entropy {e}");
+            assert_eq!(c.paths.get(e).in_flight, 0, "probe {k} on a path with packets in flight");
+        }
+    }
+
+    #[test]
+    fn a_pinned_chunk_leaves_its_uplink_once_one_of_its_paths_is_suspect() {
+        // Its uplink may be failing: a proven path elsewhere beats losing the packet.
+        let mut c = conn_in_an_episode();
+        c.paths.lost(6, 7, 1_100, true, 2_100, &mut c.stats.paths);
+        for k in 0..8 {
+            let e = c.pick_path(MsgId(0), k * 8832, false, None, 2_100);
+            assert_eq!(e % 4, 0, "new packet {k} went to {e}, not to a proven path");
+            c.tx.probe_pick = true;
+            let e = c.pick_path(MsgId(0), k * 8832, false, None, 2_100);
+            assert_eq!(e % 4, 0, "probe {k} went to {e}, not to a proven path");
+        }
     }
 }
