@@ -181,6 +181,7 @@ impl LbRuntime {
             pinned: (0..uplinks).map(|_| None).collect(),
             dead: DeadSet::default(),
             ethereal,
+            classes: (0, Vec::new()),
         }
     }
 
@@ -283,6 +284,9 @@ pub struct FlowPaths {
     pinned: Vec<Option<Pinned>>,
     dead: DeadSet,
     ethereal: Option<Reroute>,
+    /// For the number of entropies it was made for: each uplink's entropies (retransmissions under
+    /// Ethereal, `FlowPaths::retx_uplink`).
+    classes: (u16, Vec<Vec<u16>>),
 }
 
 impl std::fmt::Debug for FlowPaths {
@@ -334,6 +338,58 @@ impl FlowPaths {
         }
     }
 
+    /// Under Ethereal, the uplink a retransmission of a chunk the split layer pinned to uplink `u` goes
+    /// to, when it is not the sub-flow's own (there, the sub-flow's policy picks, as for any of its
+    /// packets).
+    fn foreign_retx_uplink(&mut self, ctx: &PathCtx, u: u16) -> Option<u16> {
+        let v = self.retx_uplink(ctx)?;
+        (v != self.effective_uplink(u, ctx.msg)).then_some(v)
+    }
+
+    /// Under Ethereal, the uplink of a retransmission (`None` for other packets, or without
+    /// Ethereal): one of the good uplinks that have entropies, chosen by a hash of the packet's
+    /// message and offset. Ethereal's plan balances first transmissions; a retransmission is bytes no
+    /// plan counted, and kept on its sub-flow's uplink every one of them loaded that uplink alone: on
+    /// the rail fabric a window declared lost behind a deep queue at an iteration's start (15
+    /// packets, most of them spurious) put 0.6 % of an uplink's bytes on one uplink in 16-20 runs of
+    /// 40 (`docs/fabric.md`). Hashed, a window's packets spread over the uplinks. A hash and not a
+    /// rotation: the transport asks `allows` about the same packet several times and must get one
+    /// answer.
+    fn retx_uplink(&mut self, ctx: &PathCtx) -> Option<u16> {
+        if !ctx.retransmit || self.ethereal.is_none() {
+            return None;
+        }
+        let mut good = lock(&self.rt.inner.split).bad.good_uplinks(self.rail, self.uplinks, ctx.now_us);
+        let classes = self.uplink_classes(ctx.n_paths);
+        good.retain(|&u| classes.get(u as usize).is_some_and(|c| !c.is_empty()));
+        let h = splitmix64(self.seed ^ splitmix64(ctx.msg ^ ctx.offset.rotate_left(32)));
+        good.get((h % good.len().max(1) as u64) as usize).copied()
+    }
+
+    /// Each uplink's entropies among `0..n_paths` (an uplink may have none when there are fewer
+    /// entropies than uplinks).
+    fn uplink_classes(&mut self, n_paths: u16) -> &[Vec<u16>] {
+        if self.classes.0 != n_paths || self.classes.1.is_empty() {
+            let mut classes = vec![Vec::new(); self.uplinks as usize];
+            for e in 0..n_paths {
+                if let Some(c) = classes.get_mut(self.rt.inner.topo.uplink_of_entropy(self.my_leaf, e) as usize) {
+                    c.push(e);
+                }
+            }
+            self.classes = (n_paths, classes);
+        }
+        &self.classes.1
+    }
+
+    /// An entropy of uplink `v` for a retransmission, from a random one of its entropies on: not the
+    /// lost copy's, one `ok` accepts. Drawn here rather than by `v`'s own policy, whose state (ECMP's
+    /// entropy of the message, PRO's walk) belongs to the sub-flows pinned there.
+    fn retx_entropy(&mut self, ctx: &PathCtx, v: u16, ok: &mut dyn FnMut(u16) -> bool) -> Option<u16> {
+        let start = self.ethereal.as_mut().map_or(0, |r| r.rng.gen::<u32>()) as usize;
+        let class = self.uplink_classes(ctx.n_paths.max(1)).get(v as usize)?;
+        (0..class.len()).map(|k| class[(start + k) % class.len()]).find(|&e| Some(e) != ctx.avoid && ok(e))
+    }
+
     /// Move every sub-flow now on uplink `bad` to a random good uplink other than `bad`.
     fn reroute(&mut self, bad: u16, now_us: u64) {
         let Some(r) = &mut self.ethereal else { return };
@@ -377,8 +433,11 @@ impl PathPolicy for FlowPaths {
         match uplink {
             None => self.unpinned().pick(ctx),
             Some(u) => {
-                let u = self.effective_uplink(u, ctx.msg);
-                self.pinned(u).pick(ctx)
+                let foreign = self.foreign_retx_uplink(ctx, u).and_then(|v| self.retx_entropy(ctx, v, &mut |_| true));
+                foreign.unwrap_or_else(|| {
+                    let u = self.effective_uplink(u, ctx.msg);
+                    self.pinned(u).pick(ctx)
+                })
             }
         }
     }
@@ -396,10 +455,13 @@ impl PathPolicy for FlowPaths {
     fn pick_fit(&mut self, ctx: &PathCtx, uplink: Option<u16>, fit: &mut dyn FnMut(u16) -> bool) -> Option<u16> {
         match uplink {
             None => self.unpinned().pick_fit(ctx, None, fit),
-            Some(u) => {
-                let u = self.effective_uplink(u, ctx.msg);
-                self.pinned(u).pick_fit(ctx, None, fit)
-            }
+            Some(u) => match self.foreign_retx_uplink(ctx, u) {
+                Some(v) => self.retx_entropy(ctx, v, fit),
+                None => {
+                    let u = self.effective_uplink(u, ctx.msg);
+                    self.pinned(u).pick_fit(ctx, None, fit)
+                }
+            },
         }
     }
 
@@ -407,6 +469,9 @@ impl PathPolicy for FlowPaths {
         match uplink {
             None => true,
             Some(u) => {
+                if let Some(v) = self.foreign_retx_uplink(ctx, u) {
+                    return self.rt.inner.topo.uplink_of_entropy(self.my_leaf, e) == v;
+                }
                 let u = self.effective_uplink(u, ctx.msg);
                 self.pinned(u).allows(ctx, None, e)
             }

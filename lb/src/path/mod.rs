@@ -68,7 +68,8 @@ pub trait PathPolicy: Send {
     /// Whether entropy `e` may carry a packet of the chunk `ctx` names when the caller has to place it
     /// elsewhere than the policy picked (a tail-loss probe, a retransmission during a failure
     /// episode, a pick on a path that is not fit): a chunk the split layer pinned to an uplink may
-    /// only use that uplink's entropies while any of them will do. The default allows every entropy.
+    /// only use that uplink's entropies while any of them will do (under Ethereal a retransmission's
+    /// uplink is its own, see `FlowPaths`). The default allows every entropy.
     fn allows(&mut self, ctx: &PathCtx, uplink: Option<u16>, e: u16) -> bool {
         let _ = (ctx, uplink, e);
         true
