@@ -239,8 +239,9 @@ impl Connection {
             }
             // A chunk pinned to paths that are all alive but unproven keeps its probe there too
             // (see `pinned_unproven`): on the rail fabric most probes of Ethereal's sub-flows left
-            // their uplinks this way during episodes begun by other uplinks' late packets.
-            if self.pinned_unproven(&ctx, episode, now) {
+            // their uplinks this way during episodes begun by other uplinks' late packets. Not while
+            // the peer is silent: then the probe searches for any path that gets through.
+            if !self.tx.stalled && self.pinned_unproven(&ctx, episode, now) {
                 let idle = |c: &Self, e| Some(e) != avoid && c.paths.get(e).in_flight == 0;
                 if let Some(e) = self
                     .nearest_after(&ctx, start, true, &idle)
@@ -318,7 +319,7 @@ impl Connection {
     /// else the nearest path it allows). A failure episode keeps new packets to paths proven since it
     /// began, and a pinned chunk's paths were often all unproven: its own packets still queued, the
     /// others idle, the episode begun by another uplink's late packet. Each new packet and tail-loss
-    /// probe then went to a proven path of another uplink: on the rail fabric 5-31 packets per run (up
+    /// probe then went to a proven path of another uplink: on the rail fabric 1-31 packets per run (up
     /// to 270 KB) left the uplinks Ethereal's plan put them on, the largest part of its uplink spread
     /// (the episodes came from losses found by time, mostly spurious). When one of the chunk's paths
     /// is suspect or dead its uplink may be failing, and the packet leaves it as before.
