@@ -370,13 +370,8 @@ impl FlowPaths {
     /// entropies than uplinks).
     fn uplink_classes(&mut self, n_paths: u16) -> &[Vec<u16>] {
         if self.classes.0 != n_paths || self.classes.1.is_empty() {
-            let mut classes = vec![Vec::new(); self.uplinks as usize];
-            for e in 0..n_paths {
-                if let Some(c) = classes.get_mut(self.rt.inner.topo.uplink_of_entropy(self.my_leaf, e) as usize) {
-                    c.push(e);
-                }
-            }
-            self.classes = (n_paths, classes);
+            let topo = &self.rt.inner.topo;
+            self.classes = (n_paths, (0..self.uplinks).map(|u| topo.uplink_entropies(self.my_leaf, u, n_paths)).collect());
         }
         &self.classes.1
     }
